@@ -1,0 +1,112 @@
+"""TricksArguments: transformers' TrainingArguments plus one field per trick, validated in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+__all__ = ["TricksArguments", "LOSS_TYPES"]
+
+LOSS_TYPES = ("ce", "focal", "label_smoothing")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
+
+
+@dataclass
+class TricksArguments(TrainingArguments):
+    """``TrainingArguments`` plus the knobs of every trick in nlp_tricks.
+
+    Every field has a ``help`` text, so ``--help`` on a recipe documents it. Bad values raise ``ValueError`` naming
+    the field and what is allowed.
+    """
+
+    # --- Loss ---
+    loss_type: str = field(
+        default="ce",
+        metadata={
+            "help": "Training loss on the logits: 'ce' (cross-entropy; label_smoothing_factor > 0 smooths it), "
+            "'focal' (Lin et al. 2017, see focal_gamma / focal_alpha) or 'label_smoothing' "
+            "(Szegedy et al. 2016, smoothing mass from label_smoothing_factor).",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    focal_gamma: float = field(
+        default=2.0, metadata={"help": "Focal loss focusing parameter gamma >= 0 (0 gives cross-entropy)."}
+    )
+    focal_alpha: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Focal loss per-class weights, one per label (e.g. --focal_alpha 0.25 1 1); a weighted mean "
+            "like cross_entropy's `weight`. Default: none."
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Divide the logits by this temperature (> 0) before any loss. 1.0 leaves them as they are."},
+    )
+
+    # --- Optimizer parameter groups ---
+    head_lr_scale: float = field(
+        default=1.0,
+        metadata={"help": "Learning-rate multiplier (> 0) for the task head (parameters outside model.base_model)."},
+    )
+    layer_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "Layer-wise learning-rate decay in (0, 1]: layer i of L trains at lr * layer_decay^(L - i), the "
+            "embeddings at lr * layer_decay^(L + 1). 1.0 disables it. Typical: 0.8-0.95."
+        },
+    )
+
+    # --- Schedule ---
+    warmup_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "Fraction in [0, 1) of the training steps spent in linear warmup. transformers 5 removed this "
+            "argument; it is mapped to the fractional `warmup_steps`."
+        },
+    )
+
+    def __post_init__(self):
+        # Mapped before the parent validates `warmup_steps`.
+        if self.warmup_ratio is not None:
+            if not 0.0 <= self.warmup_ratio < 1.0:
+                raise ValueError(f"warmup_ratio={self.warmup_ratio} is not allowed; it must be in [0, 1)")
+            if self.warmup_steps not in (0, self.warmup_ratio):
+                raise ValueError(
+                    f"give warmup_ratio ({self.warmup_ratio}) or warmup_steps ({self.warmup_steps}), not both"
+                )
+            self.warmup_steps = self.warmup_ratio
+        super().__post_init__()
+
+        _choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.focal_gamma < 0:
+            raise ValueError(f"focal_gamma={self.focal_gamma} is not allowed; it must be >= 0")
+        if self.focal_alpha is not None:
+            if self.loss_type != "focal":
+                raise ValueError(f"focal_alpha is only used with loss_type='focal', not {self.loss_type!r}")
+            if len(self.focal_alpha) == 0 or any(a < 0 for a in self.focal_alpha):
+                raise ValueError(f"focal_alpha={self.focal_alpha} is not allowed; give one weight >= 0 per class")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} is not allowed; it must be > 0")
+        if not 0.0 <= self.label_smoothing_factor < 1.0:
+            raise ValueError(
+                f"label_smoothing_factor={self.label_smoothing_factor} is not allowed; it must be in [0, 1)"
+            )
+        if self.loss_type == "label_smoothing" and self.label_smoothing_factor == 0:
+            raise ValueError(
+                "loss_type='label_smoothing' takes its smoothing mass from label_smoothing_factor, which is 0; "
+                "set label_smoothing_factor in (0, 1), e.g. 0.1"
+            )
+        if self.loss_type == "focal" and self.label_smoothing_factor > 0:
+            raise ValueError(
+                "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
+            )
+        if self.head_lr_scale <= 0:
+            raise ValueError(f"head_lr_scale={self.head_lr_scale} is not allowed; it must be > 0")
+        if not 0.0 < self.layer_decay <= 1.0:
+            raise ValueError(f"layer_decay={self.layer_decay} is not allowed; it must be in (0, 1]")

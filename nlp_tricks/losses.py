@@ -1,0 +1,225 @@
+"""Classification losses as plain functions (plus thin ``nn.Module`` wrappers).
+
+Every function takes ``(logits, labels, *, ignore_index=-100, reduction="mean", num_items_in_batch=None, ...)``.
+``logits`` is ``(N, C)`` or ``(B, L, C)`` and ``labels`` ``(N,)`` or ``(B, L)``. The loss is computed in float32
+whatever the logits' dtype. When ``num_items_in_batch`` is given the result is ``sum / num_items_in_batch``: the
+normaliser the Trainer counts over a whole accumulated (and multi-process) batch, which makes gradient accumulation
+exact.
+
+No Trainer imports here: these are usable in any training loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "focal_loss",
+    "label_smoothing_cross_entropy",
+    "cross_entropy",
+    "FocalLoss",
+    "LabelSmoothingCrossEntropy",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _flatten(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}: "
+            "expected logits (N, C) with labels (N,), or (B, L, C) with (B, L)"
+        )
+    return logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
+
+
+def _reduce(
+    loss: torch.Tensor,
+    weight: torch.Tensor,
+    labels_shape: torch.Size,
+    reduction: str,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> torch.Tensor:
+    """Reduce per-item losses (already zero at ignored items); ``weight`` is each item's share of a mean."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction == "none":
+        return loss.reshape(labels_shape)
+    total = loss.sum()
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    if reduction == "sum":
+        return total
+    # Like F.cross_entropy: the mean over non-ignored items, NaN when there are none.
+    return total / weight.sum()
+
+
+def focal_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    gamma: float = 2.0,
+    alpha: torch.Tensor | list[float] | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Focal loss ``-alpha_y (1 - p_y)^gamma log p_y`` for multi-class logits.
+
+    Lin et al. 2017, "Focal Loss for Dense Object Detection", https://arxiv.org/abs/1708.02002
+
+    With ``gamma=0`` and no ``alpha`` it equals ``F.cross_entropy``; with ``gamma=0`` and ``alpha`` it equals
+    ``F.cross_entropy(weight=alpha)``.
+
+    Args:
+        logits (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``.
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)`` class indices; ``ignore_index`` marks items to skip.
+        gamma (`float`, defaults to 2.0): focusing parameter, >= 0.
+        alpha (`torch.Tensor` or `list[float]`, *optional*): per-class weights of length C, used as
+            ``F.cross_entropy``'s ``weight``: the mean divides by the sum of the weights of the counted items.
+        ignore_index (`int`, defaults to -100): label value that contributes nothing.
+        reduction (`str`, defaults to "mean"): "mean", "sum" or "none" (per item, 0 at ignored ones).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+    """
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    labels_shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
+    log_pt = logits.log_softmax(dim=-1).gather(1, safe_labels).squeeze(1)
+    if gamma == 0:
+        loss = -log_pt
+    else:
+        # (1 - p)^gamma on the target column only: O(N) extra memory, not O(N * C).
+        loss = -((1.0 - log_pt.exp()).clamp(min=0.0) ** gamma) * log_pt
+    if alpha is not None:
+        alpha = torch.as_tensor(alpha, dtype=loss.dtype, device=loss.device)
+        if alpha.shape != (logits.shape[-1],):
+            raise ValueError(
+                f"alpha must have one weight per class ({logits.shape[-1]}), got shape {tuple(alpha.shape)}"
+            )
+        weight = alpha[safe_labels.squeeze(1)] * valid
+    else:
+        weight = valid.to(loss.dtype)
+    loss = torch.where(valid, loss * weight, 0.0)
+    return _reduce(loss, weight, labels_shape, reduction, num_items_in_batch)
+
+
+def label_smoothing_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    epsilon: float = 0.1,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy against ``(1 - epsilon) * one_hot(y) + epsilon / C``.
+
+    Szegedy et al. 2016, https://arxiv.org/abs/1512.00567; Müller et al. 2019, https://arxiv.org/abs/1906.02629
+
+    Equals ``F.cross_entropy(logits, labels, label_smoothing=epsilon, ignore_index=...)`` for every reduction;
+    ignored items get no smoothing term either.
+
+    Args:
+        logits (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``.
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)`` class indices.
+        epsilon (`float`, defaults to 0.1): smoothing mass in [0, 1].
+        ignore_index (`int`, defaults to -100): label value that contributes nothing.
+        reduction (`str`, defaults to "mean"): "mean", "sum" or "none".
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+    """
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    labels_shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    valid = labels != ignore_index
+    loss = _SmoothedCrossEntropy.apply(logits, torch.where(valid, labels, 0), valid, float(epsilon))
+    return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """Per-item smoothed cross-entropy ``lse(x) - (1 - eps) x_y - eps mean(x)``, 0 at ignored items.
+
+    The closed form saves no log-softmax in the forward pass, and the backward pass writes its gradient
+    ``softmax(x) - (1 - eps) onehot(y) - eps / C`` into one logits-sized buffer: faster and smaller than composing
+    ``log_softmax`` with ``gather`` and ``mean`` (see benchmarks/losses.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, valid, epsilon):
+        lse = torch.logsumexp(logits, dim=-1)
+        target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+        loss = lse - (1.0 - epsilon) * target - epsilon * logits.mean(dim=-1)
+        ctx.save_for_backward(logits, labels, valid, lse)
+        ctx.epsilon = epsilon
+        return torch.where(valid, loss, 0.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        logits, labels, valid, lse = ctx.saved_tensors
+        eps = ctx.epsilon
+        grad = (logits - lse.unsqueeze(1)).exp_()
+        grad.sub_(eps / logits.shape[-1])
+        grad.scatter_add_(1, labels.unsqueeze(1), torch.full_like(lse, eps - 1.0).unsqueeze(1))
+        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(1))
+        return grad, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy`` in float32 over ``(N, C)`` / ``(B, L, C)`` logits, with ``num_items_in_batch``."""
+    labels_shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    if num_items_in_batch is None:
+        loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+        return loss.reshape(labels_shape) if reduction == "none" else loss
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+
+
+class FocalLoss(nn.Module):
+    """Module form of :func:`focal_loss`; takes the same keywords."""
+
+    def __init__(self, *, gamma=2.0, alpha=None, ignore_index=-100, reduction="mean"):
+        super().__init__()
+        self.gamma, self.ignore_index, self.reduction = gamma, ignore_index, reduction
+        self.register_buffer("alpha", None if alpha is None else torch.as_tensor(alpha, dtype=torch.float32))
+
+    def forward(self, logits, labels, num_items_in_batch=None):
+        return focal_loss(
+            logits,
+            labels,
+            gamma=self.gamma,
+            alpha=self.alpha,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+class LabelSmoothingCrossEntropy(nn.Module):
+    """Module form of :func:`label_smoothing_cross_entropy`; takes the same keywords."""
+
+    def __init__(self, *, epsilon=0.1, ignore_index=-100, reduction="mean"):
+        super().__init__()
+        self.epsilon, self.ignore_index, self.reduction = epsilon, ignore_index, reduction
+
+    def forward(self, logits, labels, num_items_in_batch=None):
+        return label_smoothing_cross_entropy(
+            logits,
+            labels,
+            epsilon=self.epsilon,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch,
+        )

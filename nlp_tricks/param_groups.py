@@ -1,0 +1,130 @@
+"""BERT-style optimizer parameter groups: no decay on bias / norm weights, a head learning rate, layer-wise lr decay.
+
+Layer-wise learning-rate decay: Howard & Ruder 2018 (https://arxiv.org/abs/1801.06146), Clark et al. 2020
+(ELECTRA, https://arxiv.org/abs/2003.10555). Encoder layer ``i`` (0-based) of ``L`` trains at
+``learning_rate * layer_decay ** (L - i)``, the embeddings at ``layer_decay ** (L + 1)``, everything in the base model
+above the last layer (pooler, final norm) at ``learning_rate``, and the task head (parameters outside
+``model.base_model``) at ``learning_rate * head_lr_scale``. Encoder-decoder models count decoder layers after encoder
+layers, so ``L`` is their sum.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from torch import nn
+from transformers.trainer_pt_utils import get_parameter_names
+
+__all__ = ["build_param_groups", "decay_parameter_names", "layer_ids"]
+
+# The name patterns transformers' Trainer.get_decay_parameter_names uses (with nn.LayerNorm modules).
+NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+
+# A numbered block inside a stack: "encoder.layer.3.", "decoder.layers.0.", "encoder.block.1.", "transformer.h.2.".
+_LAYER_RE = re.compile(r"^(?P<stack>(?:.*?\.)?(?:layer|layers|block|blocks|h))\.(?P<index>\d+)(?:\.|$)")
+# Embedding parameters sit below layer 0: word / position / token-type embeddings, BART's layernorm_embedding, T5's
+# `shared`, ELECTRA's embeddings_project.
+_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:[a-z_]*embed[a-z_]*|shared|wte|wpe)(?:\.|$)")
+
+
+def decay_parameter_names(model: nn.Module, no_decay: Iterable[str] = NO_DECAY_PATTERNS) -> set[str]:
+    """Names of the parameters that get weight decay: all but those of ``nn.LayerNorm`` modules and those whose
+    lower-cased name matches a ``no_decay`` regex (biases, norms). The same rule as
+    ``transformers.Trainer.get_decay_parameter_names``, whose helper it uses.
+    """
+    return set(get_parameter_names(model, [nn.LayerNorm], list(no_decay)))
+
+
+def layer_ids(base_model: nn.Module) -> tuple[dict[str, int], int]:
+    """Map each parameter name of ``base_model`` to its layer id, and return the number of layers ``L``.
+
+    Id 0 is the embeddings, ``1 + i`` the i-th layer counted across stacks (encoder stacks first, then decoder
+    stacks), ``L + 1`` everything else. Returns ``L = 0`` when no layer stack is found.
+    """
+    names = [n for n, _ in base_model.named_parameters()]
+    stacks: dict[str, int] = {}
+    for name in names:
+        match = _LAYER_RE.match(name)
+        if match:
+            stack = match.group("stack")
+            stacks[stack] = max(stacks.get(stack, 0), int(match.group("index")) + 1)
+    # Encoder stacks before decoder stacks, otherwise in order of appearance.
+    ordered = sorted(stacks, key=lambda s: ("decoder" in s.split("."), list(stacks).index(s)))
+    offsets, total = {}, 0
+    for stack in ordered:
+        offsets[stack] = total
+        total += stacks[stack]
+    ids = {}
+    for name in names:
+        match = _LAYER_RE.match(name)
+        if match:
+            ids[name] = 1 + offsets[match.group("stack")] + int(match.group("index"))
+        elif _EMBEDDING_RE.search(name):
+            ids[name] = 0
+        else:
+            ids[name] = total + 1
+    return ids, total
+
+
+def build_param_groups(
+    model: nn.Module,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    head_lr_scale: float = 1.0,
+    layer_decay: float = 1.0,
+    no_decay: Iterable[str] = NO_DECAY_PATTERNS,
+) -> list[dict]:
+    """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
+
+    Args:
+        model (`nn.Module`): a transformers model (its ``base_model`` separates body from head) or any module.
+        learning_rate (`float`): base learning rate.
+        weight_decay (`float`): decay for parameters that get it; biases and norm weights get 0.
+        head_lr_scale (`float`, defaults to 1.0): multiplier for parameters outside ``model.base_model``.
+        layer_decay (`float`, defaults to 1.0): layer-wise decay factor in (0, 1]; 1 disables it.
+        no_decay (iterable of `str`): regex name patterns that get no weight decay (Trainer's by default).
+
+    Returns:
+        `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate) and
+        ``names``. Every trainable parameter is in exactly one group; frozen ones are in none.
+
+    Raises:
+        ValueError: ``layer_decay != 1`` on a model whose layer stacks cannot be found (names the model class).
+    """
+    if not 0.0 < layer_decay <= 1.0:
+        raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+    if head_lr_scale <= 0:
+        raise ValueError(f"head_lr_scale must be > 0, got {head_lr_scale}")
+    decay_names = decay_parameter_names(model, no_decay)
+    base = getattr(model, "base_model", model)
+    base_ids = {id(p) for p in base.parameters()}
+    has_head = base is not model
+
+    base_names = {id(p): n for n, p in base.named_parameters()}
+    ids, num_layers = layer_ids(base) if layer_decay != 1.0 else ({}, 0)
+    if layer_decay != 1.0 and num_layers == 0:
+        raise ValueError(
+            f"layer_decay={layer_decay} needs numbered layer stacks (encoder.layer.N, layers.N, block.N, ...), "
+            f"but none were found in {type(model).__name__}; use layer_decay=1.0 for this model"
+        )
+
+    groups: dict[tuple[float, float], dict] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if has_head and id(param) not in base_ids:
+            scale = head_lr_scale
+        elif layer_decay != 1.0:
+            scale = layer_decay ** (num_layers + 1 - ids[base_names[id(param)]])
+        else:
+            scale = 1.0
+        wd = weight_decay if name in decay_names else 0.0
+        group = groups.setdefault(
+            (scale, wd),
+            {"params": [], "names": [], "lr": learning_rate * scale, "weight_decay": wd, "lr_scale": scale},
+        )
+        group["params"].append(param)
+        group["names"].append(name)
+    return list(groups.values())

@@ -1,0 +1,208 @@
+"""TricksTrainer: a ``transformers.Trainer`` that wires the tricks of nlp_tricks in, driven by TricksArguments."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_optimizer import is_optimizer_factory
+
+from .config import TricksArguments
+from .losses import cross_entropy, focal_loss, label_smoothing_cross_entropy
+from .param_groups import build_param_groups
+
+__all__ = ["TricksTrainer"]
+
+
+class TricksTrainer(Trainer):
+    """A drop-in ``transformers.Trainer`` whose tricks are switched on by :class:`TricksArguments`.
+
+    What it changes, and nothing else (training loop, mixed precision, DDP / FSDP / DeepSpeed, clipping, schedulers,
+    logging and checkpoints stay upstream's):
+
+    - :meth:`compute_loss` pops ``labels``, runs the model without its own loss and applies ``args.loss_type``
+      (cross-entropy, focal or label smoothing) to ``logits / args.temperature``. The loss is a sum divided by
+      ``num_items_in_batch`` (the label count of the whole accumulated, all-process batch), so gradient accumulation
+      is exact for every loss. Float labels (regression, multi-label) keep the model's own loss, rescaled likewise.
+    - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
+      norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
+      lr by the same factor, so the ratios hold through warmup and decay.
+
+    Extension points for subclasses:
+
+    - :meth:`compute_tricks_loss` ``(logits, labels, num_items_in_batch=None)``: the loss on the logits. Override it to
+      add a loss; call ``super()`` for the built-in ones.
+    - :meth:`build_optimizer_groups` ``(model)``: the optimizer's parameter groups.
+    - ``compute_loss`` / ``create_optimizer`` keep upstream's signatures and may be overridden as on any Trainer.
+
+    Example::
+
+        from nlp_tricks import TricksArguments, TricksTrainer, focal_loss
+
+        class MyTrainer(TricksTrainer):
+            def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+                loss = super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+                # e.g. add an auxiliary focal term on the same logits
+                return loss + 0.1 * focal_loss(logits, labels, gamma=1.0, num_items_in_batch=num_items_in_batch)
+
+        args = TricksArguments(output_dir="out", loss_type="label_smoothing", label_smoothing_factor=0.1,
+                               layer_decay=0.9, head_lr_scale=10.0, warmup_ratio=0.1)
+        MyTrainer(model=model, args=args, train_dataset=train, data_collator=collator).train()
+    """
+
+    def __init__(self, model=None, args: TricksArguments | None = None, *positional, **kwargs):
+        if args is None:
+            args = TricksArguments(output_dir="tmp_trainer")
+        if not isinstance(args, TricksArguments):
+            raise TypeError(
+                f"TricksTrainer needs TricksArguments (a TrainingArguments subclass), got {type(args).__name__}; "
+                "build it with the same fields: TricksArguments(output_dir=..., ...)"
+            )
+        super().__init__(model, args, *positional, **kwargs)
+        # compute_loss normalises by `num_items_in_batch` for every model, so the Trainer must count it (it only does
+        # for models that accept loss kwargs) and must not divide the loss again by the accumulation steps.
+        self.model_accepts_loss_kwargs = True
+        # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
+        self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
+        self.trick_state: dict[str, float] = {}
+
+    # ---- Logging ---------------------------------------------------------------------------------------------------
+
+    def record_metric(self, name: str, value: torch.Tensor | float) -> None:
+        """Record a per-step number; the next training log shows its mean since the previous log (over processes)."""
+        value = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
+        self._step_metrics[name].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log (not eval, not the end-of-training summary)
+            if self._step_metrics:
+                names = sorted(self._step_metrics)
+                means = torch.stack(
+                    [torch.stack([v.to(self.args.device) for v in self._step_metrics[n]]).mean() for n in names]
+                )
+                if self.accelerator.num_processes > 1:
+                    means = self.accelerator.reduce(means, reduction="mean")
+                logs.update({n: round(float(m), 4) for n, m in zip(names, means)})
+                self._step_metrics.clear()
+            logs.update(self.trick_state)
+        super().log(logs, start_time)
+
+    # ---- Loss ------------------------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        """Run the model without its own loss and apply the configured loss to its logits.
+
+        Returns the loss (and the outputs with ``return_outputs``). Inputs without ``labels`` go to the model as
+        they are and its own loss is used.
+        """
+        if "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        num_items = self._normalizer(num_items_in_batch)
+        if labels.is_floating_point():
+            # Regression / multi-label: the model's own loss is a mean over its label elements.
+            outputs = model(**inputs, labels=labels)
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+            if num_items is not None:
+                loss = loss * labels.ne(-100).sum() / num_items
+        else:
+            self._add_decoder_input_ids(model, inputs, labels)
+            outputs = model(**inputs)
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
+        if num_items is not None:
+            loss = loss * self._loss_scale_for_devices()
+        return (loss, outputs) if return_outputs else loss
+
+    def compute_tricks_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The configured loss on ``logits / temperature`` (float32): a mean, or ``sum / num_items_in_batch``."""
+        args = self.args
+        if args.temperature != 1.0:
+            logits = logits / args.temperature
+        if args.loss_type == "focal":
+            return focal_loss(
+                logits, labels, gamma=args.focal_gamma, alpha=args.focal_alpha, num_items_in_batch=num_items_in_batch
+            )
+        if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
+            return label_smoothing_cross_entropy(
+                logits, labels, epsilon=args.label_smoothing_factor, num_items_in_batch=num_items_in_batch
+            )
+        return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch)
+
+    def _add_decoder_input_ids(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> None:
+        """Encoder-decoder models build decoder inputs from ``labels``; with labels popped we build them here."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        config = getattr(unwrapped, "config", None)
+        if (
+            getattr(config, "is_encoder_decoder", False)
+            and "decoder_input_ids" not in inputs
+            and "decoder_inputs_embeds" not in inputs
+        ):
+            inputs["decoder_input_ids"] = unwrapped.prepare_decoder_input_ids_from_labels(labels=labels)
+
+    def _normalizer(self, num_items_in_batch):
+        """The label count of the whole batch, as the loss's divisor (None: use a per-batch mean)."""
+        if num_items_in_batch is None:
+            return None
+        if self.args.n_gpu > 1:
+            # DataParallel: the Trainer hands one copy per replica, but our loss sees the gathered logits.
+            if torch.is_tensor(num_items_in_batch) and num_items_in_batch.dim() > 0:
+                num_items_in_batch = num_items_in_batch.reshape(-1)[0]
+            if not self.args.average_tokens_across_devices:
+                num_items_in_batch = num_items_in_batch * self.args.n_gpu
+        return num_items_in_batch
+
+    def _loss_scale_for_devices(self) -> int:
+        """DDP averages gradients over processes; a loss normalised by the all-process count is scaled back up."""
+        if self.args.average_tokens_across_devices and self.args.n_gpu <= 1:
+            return self.accelerator.num_processes // self.get_tp_size()
+        return 1
+
+    # ---- Optimizer -------------------------------------------------------------------------------------------------
+
+    def build_optimizer_groups(self, model: nn.Module) -> list[dict]:
+        """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups` and the arguments."""
+        groups = build_param_groups(
+            model,
+            learning_rate=self.args.learning_rate,
+            weight_decay=self.args.weight_decay,
+            head_lr_scale=self.args.head_lr_scale,
+            layer_decay=self.args.layer_decay,
+        )
+        for group in groups:
+            group.pop("names")
+        return groups
+
+    def create_optimizer(self, model=None):
+        """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None:
+            return self.optimizer
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        builds_own_groups = is_optimizer_factory(optimizer_cls) or any(
+            key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")
+        )
+        if builds_own_groups:
+            if self.args.head_lr_scale != 1.0 or self.args.layer_decay != 1.0:
+                raise ValueError(
+                    f"optim={self.args.optim!r} builds its own parameter groups, so head_lr_scale and layer_decay "
+                    "cannot apply; set both to 1.0 or choose another optimizer"
+                )
+            return super().create_optimizer(model)
+        self.optimizer = optimizer_cls(self.build_optimizer_groups(opt_model), **optimizer_kwargs)
+        return self.optimizer

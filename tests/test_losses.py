@@ -1,0 +1,155 @@
+"""Losses against torch's own functions and against plain reference implementations written here."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nlp_tricks import FocalLoss, LabelSmoothingCrossEntropy, focal_loss, label_smoothing_cross_entropy
+from nlp_tricks.losses import cross_entropy
+
+
+def _data(shape=(6, 5), num_classes=7, ignore_frac=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, num_classes, generator=g) * 3
+    labels = torch.randint(0, num_classes, shape, generator=g)
+    labels[torch.rand(shape, generator=g) < ignore_frac] = -100
+    return logits.requires_grad_(), labels
+
+
+def _ce_reference(logits, labels, reduction, **kw):
+    """F.cross_entropy over flattened items, reshaped like labels for reduction='none'."""
+    out = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction=reduction, **kw)
+    return out.reshape(labels.shape) if reduction == "none" else out
+
+
+def _focal_reference(logits, labels, gamma, alpha=None, ignore_index=-100):
+    """Per-item loop: -alpha_y (1 - p_y)^gamma log p_y, weighted mean."""
+    flat, ys = logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1)
+    total, weight = 0.0, 0.0
+    for row, y in zip(flat, ys):
+        if y == ignore_index:
+            continue
+        p = torch.softmax(row, -1)[y]
+        a = 1.0 if alpha is None else alpha[y]
+        total = total - a * (1 - p) ** gamma * torch.log(p)
+        weight += a
+    return total / weight
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 5)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_focal_gamma0_equals_cross_entropy(shape, reduction):
+    logits, labels = _data(shape)
+    ours = focal_loss(logits, labels, gamma=0.0, reduction=reduction)
+    ref = _ce_reference(logits, labels, reduction)
+    torch.testing.assert_close(ours, ref)
+    g_ours = torch.autograd.grad(ours.sum(), logits)[0]
+    g_ref = torch.autograd.grad(ref.sum(), logits)[0]
+    torch.testing.assert_close(g_ours, g_ref)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_focal_gamma0_alpha_equals_weighted_cross_entropy(reduction):
+    logits, labels = _data((4, 6))
+    alpha = torch.tensor([0.25, 1.0, 2.0, 0.5, 1.5, 1.0, 3.0])
+    ours = focal_loss(logits, labels, gamma=0.0, alpha=alpha, reduction=reduction)
+    torch.testing.assert_close(ours, _ce_reference(logits, labels, reduction, weight=alpha))
+
+
+@pytest.mark.parametrize("gamma", [0.5, 2.0, 5.0])
+def test_focal_matches_plain_reference(gamma):
+    logits, labels = _data((4, 6))
+    alpha = [0.25, 1.0, 2.0, 0.5, 1.5, 1.0, 3.0]
+    # The reference runs in float64 and ours in float32: compare at float32 tolerance.
+    torch.testing.assert_close(
+        focal_loss(logits, labels, gamma=gamma), _focal_reference(logits, labels, gamma).float()
+    )
+    torch.testing.assert_close(
+        focal_loss(logits, labels, gamma=gamma, alpha=alpha), _focal_reference(logits, labels, gamma, alpha).float()
+    )
+
+
+def test_focal_gradient_matches_autograd_of_reference():
+    logits, labels = _data((8,), ignore_frac=0.0)
+    ours = torch.autograd.grad(focal_loss(logits, labels, gamma=2.0), logits)[0]
+    ref = torch.autograd.grad(_focal_reference(logits, labels, 2.0), logits)[0]
+    torch.testing.assert_close(ours, ref.float())  # float64 reference, float32 tolerance
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 5)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.5])
+def test_label_smoothing_equals_torch(shape, reduction, epsilon):
+    logits, labels = _data(shape)
+    ours = label_smoothing_cross_entropy(logits, labels, epsilon=epsilon, reduction=reduction)
+    ref = _ce_reference(logits, labels, reduction, label_smoothing=epsilon)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours.sum(), logits)[0], torch.autograd.grad(ref.sum(), logits)[0])
+
+
+def test_ignored_positions_contribute_nothing():
+    logits, labels = _data((4, 6), ignore_frac=0.5)
+    for fn in (
+        lambda x: label_smoothing_cross_entropy(x, labels, epsilon=0.3, reduction="sum"),
+        lambda x: focal_loss(x, labels, gamma=2.0, reduction="sum"),
+    ):
+        grad = torch.autograd.grad(fn(logits), logits)[0]
+        assert grad[labels == -100].abs().max() == 0
+
+
+def test_custom_ignore_index():
+    logits, labels = _data((12,), ignore_frac=0.0)
+    labels[:4] = 3
+    torch.testing.assert_close(
+        label_smoothing_cross_entropy(logits, labels, epsilon=0.2, ignore_index=3),
+        F.cross_entropy(logits, labels, label_smoothing=0.2, ignore_index=3),
+    )
+    torch.testing.assert_close(
+        focal_loss(logits, labels, gamma=0.0, ignore_index=3), F.cross_entropy(logits, labels, ignore_index=3)
+    )
+
+
+@pytest.mark.parametrize("fn", [focal_loss, label_smoothing_cross_entropy, cross_entropy])
+def test_num_items_in_batch_divides_the_sum(fn):
+    logits, labels = _data((3, 5))
+    ours = fn(logits, labels, num_items_in_batch=37)
+    torch.testing.assert_close(ours, fn(logits, labels, reduction="sum") / 37)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_computed_in_float32(dtype):
+    logits, labels = _data((3, 5))
+    low = logits.detach().to(dtype)
+    ref_input = low.float()
+    out = label_smoothing_cross_entropy(low, labels, epsilon=0.1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.cross_entropy(ref_input.reshape(-1, 7), labels.reshape(-1), label_smoothing=0.1))
+    out = focal_loss(low, labels, gamma=0.0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.cross_entropy(ref_input.reshape(-1, 7), labels.reshape(-1)))
+
+
+def test_modules_equal_functions():
+    logits, labels = _data((3, 5))
+    alpha = [1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 0.1]
+    torch.testing.assert_close(
+        FocalLoss(gamma=1.5, alpha=alpha)(logits, labels), focal_loss(logits, labels, gamma=1.5, alpha=alpha)
+    )
+    torch.testing.assert_close(
+        LabelSmoothingCrossEntropy(epsilon=0.2, reduction="sum")(logits, labels),
+        F.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1), label_smoothing=0.2, reduction="sum"),
+    )
+
+
+def test_bad_arguments():
+    logits, labels = _data((4,))
+    with pytest.raises(ValueError, match="gamma"):
+        focal_loss(logits, labels, gamma=-1)
+    with pytest.raises(ValueError, match="alpha"):
+        focal_loss(logits, labels, alpha=[1.0, 2.0])
+    with pytest.raises(ValueError, match="epsilon"):
+        label_smoothing_cross_entropy(logits, labels, epsilon=1.5)
+    with pytest.raises(ValueError, match="reduction"):
+        label_smoothing_cross_entropy(logits, labels, reduction="avg")
+    with pytest.raises(ValueError, match="shape"):
+        focal_loss(logits, labels[:2])

@@ -1,0 +1,138 @@
+"""Parameter-group rules, each checked against names and formulas written out here."""
+
+import re
+
+import pytest
+import torch
+from transformers import (
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainingArguments,
+)
+
+from nlp_tricks import TricksTrainer, build_param_groups
+from tiny import bart_lm, bert_seq_cls, seq_cls_data, tricks_args
+
+LR = 1e-3
+
+
+def _lr_of(groups):
+    """name -> (lr, weight_decay), asserting each name is in exactly one group."""
+    out = {}
+    for g in groups:
+        for name in g["names"]:
+            assert name not in out, f"{name} is in two groups"
+            out[name] = (g["lr"], g["weight_decay"])
+    return out
+
+
+def test_no_decay_matches_trainer_and_every_param_once(tmp_path):
+    model = bert_seq_cls()
+    model.bert.embeddings.position_embeddings.weight.requires_grad_(False)
+    groups = build_param_groups(model, learning_rate=LR, weight_decay=0.01)
+    lrs = _lr_of(groups)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(lrs) == trainable  # frozen one in no group, all others in one
+    upstream = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True))
+    expected_decay = set(upstream.get_decay_parameter_names(model)) & trainable
+    assert {n for n, (_, wd) in lrs.items() if wd == 0.01} == expected_decay
+    assert all(wd == 0.0 for n, (_, wd) in lrs.items() if n.endswith(".bias") or "LayerNorm" in n)
+    # the group's tensors are the model's own parameters (no copies)
+    params = dict(model.named_parameters())
+    for g in groups:
+        for name, p in zip(g["names"], g["params"]):
+            assert p is params[name]
+
+
+def test_head_lr_scale():
+    model = bert_seq_cls()
+    lrs = _lr_of(build_param_groups(model, learning_rate=LR, weight_decay=0.0, head_lr_scale=10.0))
+    for name, (lr, _) in lrs.items():
+        expected = LR * 10.0 if name.startswith("classifier.") else LR
+        assert lr == pytest.approx(expected), name
+
+
+def _bert_layer_scale(name, num_layers, decay):
+    if name.startswith("bert.embeddings."):
+        return decay ** (num_layers + 1)
+    m = re.match(r"bert\.encoder\.layer\.(\d+)\.", name)
+    if m:
+        return decay ** (num_layers - int(m.group(1)))
+    return 1.0  # pooler and head (head_lr_scale 1)
+
+
+def test_layer_decay_bert():
+    model = bert_seq_cls(num_hidden_layers=3)
+    lrs = _lr_of(build_param_groups(model, learning_rate=LR, weight_decay=0.0, layer_decay=0.5, head_lr_scale=2.0))
+    for name, (lr, _) in lrs.items():
+        scale = 2.0 if name.startswith("classifier.") else _bert_layer_scale(name, 3, 0.5)
+        assert lr == pytest.approx(LR * scale), name
+    assert lrs["bert.encoder.layer.0.attention.self.query.weight"][0] == pytest.approx(LR * 0.125)
+    assert lrs["bert.embeddings.word_embeddings.weight"][0] == pytest.approx(LR * 0.0625)
+
+
+def test_layer_decay_bart_counts_decoder_after_encoder():
+    model = bart_lm()  # 2 encoder + 2 decoder layers: L = 4
+    lrs = _lr_of(build_param_groups(model, learning_rate=LR, weight_decay=0.0, layer_decay=0.5))
+    assert lrs["model.shared.weight"][0] == pytest.approx(LR * 0.5**5)
+    assert lrs["model.encoder.embed_positions.weight"][0] == pytest.approx(LR * 0.5**5)
+    assert lrs["model.encoder.layers.0.fc1.weight"][0] == pytest.approx(LR * 0.5**4)
+    assert lrs["model.encoder.layers.1.fc1.weight"][0] == pytest.approx(LR * 0.5**3)
+    assert lrs["model.decoder.layers.0.fc1.weight"][0] == pytest.approx(LR * 0.5**2)
+    assert lrs["model.decoder.layers.1.fc1.weight"][0] == pytest.approx(LR * 0.5**1)
+
+
+def test_layer_decay_t5_and_distilbert():
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=99, d_model=16, d_kv=4, d_ff=20, num_layers=2, num_decoder_layers=1, num_heads=2)
+    )
+    lrs = _lr_of(build_param_groups(t5, learning_rate=LR, weight_decay=0.0, layer_decay=0.5))
+    assert lrs["shared.weight"][0] == pytest.approx(LR * 0.5**4)
+    assert lrs["encoder.block.0.layer.0.SelfAttention.q.weight"][0] == pytest.approx(LR * 0.5**3)
+    assert lrs["decoder.block.0.layer.1.EncDecAttention.q.weight"][0] == pytest.approx(LR * 0.5**1)
+    assert lrs["encoder.final_layer_norm.weight"][0] == pytest.approx(LR)
+
+    distil = DistilBertForSequenceClassification(
+        DistilBertConfig(vocab_size=99, dim=16, n_layers=2, n_heads=2, hidden_dim=20, max_position_embeddings=32)
+    )
+    lrs = _lr_of(build_param_groups(distil, learning_rate=LR, weight_decay=0.0, layer_decay=0.5, head_lr_scale=3.0))
+    assert lrs["distilbert.embeddings.word_embeddings.weight"][0] == pytest.approx(LR * 0.5**3)
+    assert lrs["distilbert.transformer.layer.0.ffn.lin1.weight"][0] == pytest.approx(LR * 0.5**2)
+    assert lrs["distilbert.transformer.layer.1.ffn.lin1.weight"][0] == pytest.approx(LR * 0.5)
+    assert lrs["classifier.weight"][0] == pytest.approx(LR * 3.0)
+
+
+def test_layer_decay_unknown_layout_names_the_class():
+    class Mystery(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 3)
+
+    with pytest.raises(ValueError, match="Mystery"):
+        build_param_groups(Mystery(), learning_rate=LR, weight_decay=0.0, layer_decay=0.9)
+    # layer_decay 1 works on any module
+    assert len(_lr_of(build_param_groups(Mystery(), learning_rate=LR, weight_decay=0.1))) == 2
+
+
+def test_trainer_optimizer_uses_groups_and_scheduler_keeps_ratios(tmp_path):
+    model = bert_seq_cls()
+    args = tricks_args(
+        tmp_path, layer_decay=0.5, head_lr_scale=4.0, warmup_ratio=0.5, max_steps=4, optim="adamw_torch"
+    )
+    trainer = TricksTrainer(model=model, args=args, train_dataset=seq_cls_data())
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    groups = trainer.optimizer.param_groups
+    base = [g["initial_lr"] / g["lr_scale"] for g in groups]
+    assert base == pytest.approx([LR] * len(groups))
+    assert {g["lr_scale"] for g in groups} >= {4.0, 0.125, 1.0}
+    # linear warmup over ceil(0.5 * 4) = 2 steps then linear decay; every group gets the same factor
+    expected_factor = [0.0, 0.5, 1.0, 0.5]
+    for step in range(4):
+        for g in groups:
+            assert g["lr"] == pytest.approx(g["initial_lr"] * expected_factor[step])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()

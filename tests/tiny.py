@@ -1,0 +1,160 @@
+"""Tiny models, tokenizers and datasets built from config: seconds on a CPU, no download."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    BertConfig,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    PreTrainedTokenizerFast,
+)
+
+from nlp_tricks import TricksArguments
+
+VOCAB = 99
+
+
+def bert_config(**overrides) -> BertConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    kwargs.update(overrides)
+    return BertConfig(**kwargs)
+
+
+def bert_seq_cls(num_labels=3, **overrides):
+    torch.manual_seed(0)
+    return BertForSequenceClassification(bert_config(num_labels=num_labels, **overrides))
+
+
+def bert_token_cls(num_labels=5, **overrides):
+    torch.manual_seed(0)
+    return BertForTokenClassification(bert_config(num_labels=num_labels, **overrides))
+
+
+def bart_lm(**overrides):
+    torch.manual_seed(0)
+    kwargs = dict(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return BartForConditionalGeneration(BartConfig(**kwargs))
+
+
+def word_tokenizer(words=("the", "cat", "sat", "on", "a", "mat", "dog", "ran")) -> PreTrainedTokenizerFast:
+    """A WordLevel tokenizer over a small vocabulary, built with the `tokenizers` library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def seq_cls_data(n=8, length=12, num_labels=3, seed=0) -> ListDataset:
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        ids = torch.randint(5, VOCAB, (length,), generator=g)
+        mask = torch.ones(length, dtype=torch.long)
+        cut = int(torch.randint(4, length + 1, (1,), generator=g))
+        mask[cut:] = 0
+        ids[cut:] = 0
+        items.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, num_labels, (), generator=g)}
+        )
+    return ListDataset(items)
+
+
+def token_cls_data(n=8, length=12, num_labels=5, seed=0) -> ListDataset:
+    """Padded sequences whose label counts differ per example (-100 on padding and on some 'sub-tokens')."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        ids = torch.randint(5, VOCAB, (length,), generator=g)
+        cut = 3 + (i * 5) % (length - 3)
+        mask = torch.ones(length, dtype=torch.long)
+        mask[cut:] = 0
+        ids[cut:] = 0
+        labels = torch.randint(0, num_labels, (length,), generator=g)
+        labels[cut:] = -100
+        labels[torch.rand(length, generator=g) < 0.3] = -100
+        items.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return ListDataset(items)
+
+
+def seq2seq_data(n=8, src_len=10, tgt_len=7, seed=0) -> ListDataset:
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        ids = torch.randint(5, VOCAB, (src_len,), generator=g)
+        labels = torch.randint(5, VOCAB, (tgt_len,), generator=g)
+        labels[tgt_len - 1 - i % 3 :] = -100
+        items.append({"input_ids": ids, "attention_mask": torch.ones(src_len, dtype=torch.long), "labels": labels})
+    return ListDataset(items)
+
+
+def tricks_args(tmp_path, **overrides) -> TricksArguments:
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return TricksArguments(**kwargs)
