@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -50,12 +49,21 @@ def _rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes():
+    # VmHWM belongs to this process image; ru_maxrss would carry over the parent's peak through fork + exec.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def measure_memory(name, rows, classes):
     """Run in a fresh process: peak RSS growth of one forward + backward, in logits-sized buffers."""
     logits, labels = _inputs(rows, classes)
     before = _rss_bytes()
     _step(name, logits, labels)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = _peak_rss_bytes()
     return (peak - before) / (logits.numel() * logits.element_size())
 
 

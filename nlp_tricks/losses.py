@@ -19,6 +19,7 @@ __all__ = [
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
+    "distillation_loss",
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
 ]
@@ -56,6 +57,34 @@ def _reduce(
     return total / weight.sum()
 
 
+class _LogitStats(torch.autograd.Function):
+    """Per row of ``x``: ``logsumexp(x)``, the target logit ``x_y`` and ``mean(x)``, with a one-buffer backward.
+
+    Every loss here is a function of these three ``(N,)`` tensors, so autograd works on O(N) values and the
+    ``(N, C)`` gradient ``g_lse * softmax(x) + g_y * onehot(y) + g_mean / C`` is written into a single buffer; no
+    log-softmax is kept between forward and backward (see benchmarks/losses.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        lse = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, labels, lse)
+        return lse, logits.gather(1, labels.unsqueeze(1)).squeeze(1), logits.mean(dim=-1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_lse, grad_target, grad_mean):
+        logits, labels, lse = ctx.saved_tensors
+        grad = (logits - lse.unsqueeze(1)).exp_().mul_(grad_lse.unsqueeze(1))
+        grad.add_((grad_mean / logits.shape[-1]).unsqueeze(1))
+        grad.scatter_add_(1, labels.unsqueeze(1), grad_target.unsqueeze(1))
+        return grad, None
+
+
+def _logit_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _LogitStats.apply(logits, labels)
+
+
 def focal_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -88,12 +117,13 @@ def focal_loss(
     labels_shape = labels.shape
     logits, labels = _flatten(logits, labels)
     valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, 0).unsqueeze(1)
-    log_pt = logits.log_softmax(dim=-1).gather(1, safe_labels).squeeze(1)
+    safe_labels = torch.where(valid, labels, 0)
+    lse, target, _ = _logit_stats(logits, safe_labels)
+    log_pt = target - lse
     if gamma == 0:
         loss = -log_pt
     else:
-        # (1 - p)^gamma on the target column only: O(N) extra memory, not O(N * C).
+        # (1 - p)^gamma on the target only: O(N) work on top of the log-sum-exp.
         loss = -((1.0 - log_pt.exp()).clamp(min=0.0) ** gamma) * log_pt
     if alpha is not None:
         alpha = torch.as_tensor(alpha, dtype=loss.dtype, device=loss.device)
@@ -101,7 +131,7 @@ def focal_loss(
             raise ValueError(
                 f"alpha must have one weight per class ({logits.shape[-1]}), got shape {tuple(alpha.shape)}"
             )
-        weight = alpha[safe_labels.squeeze(1)] * valid
+        weight = alpha[safe_labels] * valid
     else:
         weight = valid.to(loss.dtype)
     loss = torch.where(valid, loss * weight, 0.0)
@@ -137,37 +167,10 @@ def label_smoothing_cross_entropy(
     labels_shape = labels.shape
     logits, labels = _flatten(logits, labels)
     valid = labels != ignore_index
-    loss = _SmoothedCrossEntropy.apply(logits, torch.where(valid, labels, 0), valid, float(epsilon))
+    lse, target, mean = _logit_stats(logits, torch.where(valid, labels, 0))
+    # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
+    loss = torch.where(valid, lse - (1.0 - epsilon) * target - epsilon * mean, 0.0)
     return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
-
-
-class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Per-item smoothed cross-entropy ``lse(x) - (1 - eps) x_y - eps mean(x)``, 0 at ignored items.
-
-    The closed form saves no log-softmax in the forward pass, and the backward pass writes its gradient
-    ``softmax(x) - (1 - eps) onehot(y) - eps / C`` into one logits-sized buffer: faster and smaller than composing
-    ``log_softmax`` with ``gather`` and ``mean`` (see benchmarks/losses.py).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, valid, epsilon):
-        lse = torch.logsumexp(logits, dim=-1)
-        target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
-        loss = lse - (1.0 - epsilon) * target - epsilon * logits.mean(dim=-1)
-        ctx.save_for_backward(logits, labels, valid, lse)
-        ctx.epsilon = epsilon
-        return torch.where(valid, loss, 0.0)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        logits, labels, valid, lse = ctx.saved_tensors
-        eps = ctx.epsilon
-        grad = (logits - lse.unsqueeze(1)).exp_()
-        grad.sub_(eps / logits.shape[-1])
-        grad.scatter_add_(1, labels.unsqueeze(1), torch.full_like(lse, eps - 1.0).unsqueeze(1))
-        grad.mul_(torch.where(valid, grad_loss, 0.0).unsqueeze(1))
-        return grad, None, None, None
 
 
 def cross_entropy(
@@ -185,6 +188,66 @@ def cross_entropy(
         loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
         return loss.reshape(labels_shape) if reduction == "none" else loss
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    temperature: float = 2.0,
+    alpha: float = 0.5,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Knowledge distillation: ``alpha * T^2 * KL(softmax(t / T) || softmax(s / T)) + (1 - alpha) * CE(s, labels)``.
+
+    Hinton et al. 2015, "Distilling the Knowledge in a Neural Network", https://arxiv.org/abs/1503.02531
+
+    The ``T^2`` factor keeps the soft term's gradients about as large at any temperature. Items whose label is
+    ``ignore_index`` count in neither term; without ``labels`` every item counts and only the soft term is used
+    (weight 1).
+
+    Args:
+        student_logits (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``; gradients flow here.
+        teacher_logits (`torch.Tensor`): same shape; treated as constants.
+        labels (`torch.Tensor`, *optional*): ``(N,)`` or ``(B, L)`` hard labels for the ``(1 - alpha)`` term.
+        temperature (`float`, defaults to 2.0): softening temperature T > 0.
+        alpha (`float`, defaults to 0.5): weight of the soft term in [0, 1].
+        ignore_index (`int`, defaults to -100): label value that marks items to skip.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ"
+        )
+    num_classes = student_logits.shape[-1]
+    student = student_logits.reshape(-1, num_classes).float()
+    teacher = teacher_logits.detach().reshape(-1, num_classes).float()
+    if labels is None:
+        valid = torch.ones(student.shape[0], dtype=torch.bool, device=student.device)
+        safe_labels, hard_weight = None, 0.0
+        soft_weight = 1.0
+    else:
+        labels = labels.reshape(-1)
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, 0)
+        soft_weight, hard_weight = alpha, 1.0 - alpha
+    log_p_student = (student / temperature).log_softmax(dim=-1)
+    log_p_teacher = (teacher / temperature).log_softmax(dim=-1)
+    kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(dim=-1)
+    loss = soft_weight * temperature**2 * kl
+    if hard_weight > 0:
+        nll = -student.log_softmax(dim=-1).gather(1, safe_labels.unsqueeze(1)).squeeze(1)
+        loss = loss + hard_weight * nll
+    loss = torch.where(valid, loss, 0.0)
+    if num_items_in_batch is not None:
+        return loss.sum() / num_items_in_batch
+    return loss.sum() / valid.sum()
 
 
 class FocalLoss(nn.Module):

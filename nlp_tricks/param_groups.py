@@ -87,8 +87,9 @@ def build_param_groups(
         no_decay (iterable of `str`): regex name patterns that get no weight decay (Trainer's by default).
 
     Returns:
-        `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate) and
-        ``names``. Every trainable parameter is in exactly one group; frozen ones are in none.
+        `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
+        ``label`` ("head", "embeddings", "layer_<i>", "top" or "body") and ``names``. Every trainable parameter
+        is in exactly one group; frozen ones are in none.
 
     Raises:
         ValueError: ``layer_decay != 1`` on a model whose layer stacks cannot be found (names the model class).
@@ -110,20 +111,29 @@ def build_param_groups(
             f"but none were found in {type(model).__name__}; use layer_decay=1.0 for this model"
         )
 
-    groups: dict[tuple[float, float], dict] = {}
+    groups: dict[tuple[str, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if has_head and id(param) not in base_ids:
-            scale = head_lr_scale
+            label, scale = "head", head_lr_scale
         elif layer_decay != 1.0:
-            scale = layer_decay ** (num_layers + 1 - ids[base_names[id(param)]])
+            layer = ids[base_names[id(param)]]
+            label = "embeddings" if layer == 0 else "top" if layer == num_layers + 1 else f"layer_{layer - 1}"
+            scale = layer_decay ** (num_layers + 1 - layer)
         else:
-            scale = 1.0
+            label, scale = "body", 1.0
         wd = weight_decay if name in decay_names else 0.0
         group = groups.setdefault(
-            (scale, wd),
-            {"params": [], "names": [], "lr": learning_rate * scale, "weight_decay": wd, "lr_scale": scale},
+            (label, wd),
+            {
+                "params": [],
+                "names": [],
+                "lr": learning_rate * scale,
+                "weight_decay": wd,
+                "lr_scale": scale,
+                "label": label,
+            },
         )
         group["params"].append(param)
         group["names"].append(name)

@@ -88,6 +88,12 @@ class TricksTrainer(Trainer):
                 logs.update({n: round(float(m), 4) for n, m in zip(names, means)})
                 self._step_metrics.clear()
             logs.update(self.trick_state)
+            if self.optimizer is not None and "learning_rate" in logs:
+                # One lr per group, scaled like upstream's `learning_rate` (group 0's): plots show layer-wise decay.
+                initial = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
+                if len(set(initial)) > 1 and initial[0] > 0:
+                    for i, group in enumerate(self.optimizer.param_groups):
+                        logs[f"lr/{group.get('label', i)}"] = logs["learning_rate"] * initial[i] / initial[0]
         super().log(logs, start_time)
 
     # ---- Loss ------------------------------------------------------------------------------------------------------

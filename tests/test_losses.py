@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nlp_tricks import FocalLoss, LabelSmoothingCrossEntropy, focal_loss, label_smoothing_cross_entropy
-from nlp_tricks.losses import cross_entropy
+from nlp_tricks.losses import cross_entropy, distillation_loss
 
 
 def _data(shape=(6, 5), num_classes=7, ignore_frac=0.3, seed=0):
@@ -153,3 +153,51 @@ def test_bad_arguments():
         label_smoothing_cross_entropy(logits, labels, reduction="avg")
     with pytest.raises(ValueError, match="shape"):
         focal_loss(logits, labels[:2])
+
+
+def _distill_reference(s, t, labels, T, alpha):
+    """F.kl_div / F.cross_entropy over the non-ignored items."""
+    keep = labels.reshape(-1) != -100
+    s2, t2 = s.reshape(-1, s.shape[-1])[keep], t.reshape(-1, t.shape[-1])[keep]
+    kl = F.kl_div(F.log_softmax(s2 / T, -1), F.log_softmax(t2 / T, -1), log_target=True, reduction="batchmean")
+    return alpha * T * T * kl + (1 - alpha) * F.cross_entropy(s2, labels.reshape(-1)[keep])
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 5)])
+@pytest.mark.parametrize("T,alpha", [(1.0, 0.5), (2.0, 0.7), (4.0, 1.0), (3.0, 0.0)])
+def test_distillation_matches_reference(shape, T, alpha):
+    s, labels = _data(shape)
+    t = torch.randn_like(s) * 2
+    ours = distillation_loss(s, t, labels, temperature=T, alpha=alpha)
+    ref = _distill_reference(s, t, labels, T, alpha)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, s)[0], torch.autograd.grad(ref, s)[0])
+    n = int((labels != -100).sum())
+    torch.testing.assert_close(
+        distillation_loss(s, t, labels, temperature=T, alpha=alpha, num_items_in_batch=2 * n), ref / 2
+    )
+
+
+def test_distillation_without_labels_is_the_soft_term():
+    s, _ = _data((6,))
+    t = torch.randn_like(s)
+    ref = 9.0 * F.kl_div(F.log_softmax(s / 3, -1), F.log_softmax(t / 3, -1), log_target=True, reduction="batchmean")
+    torch.testing.assert_close(distillation_loss(s, t, temperature=3.0), ref)
+
+
+def test_distillation_temperature_squared_keeps_gradients_comparable():
+    """Hinton et al.: for zero-mean logits and large T, d(T^2 KL)/ds -> (s - t) / C per item, whatever T."""
+    g = torch.Generator().manual_seed(1)
+    C = 7
+    s = torch.randn(16, C, generator=g)
+    t = torch.randn(16, C, generator=g)
+    s, t = (s - s.mean(-1, keepdim=True)).requires_grad_(), t - t.mean(-1, keepdim=True)
+    limit = (s.detach() - t) / C / 16  # the batch mean divides by 16 items
+    errors = []
+    for T in (10.0, 20.0, 40.0):
+        grad = torch.autograd.grad(distillation_loss(s, t, temperature=T), s)[0]
+        errors.append(float((grad - limit).norm() / limit.norm()))
+    # The limit is exact only as T -> inf: the relative error is first order in 1/T, so it halves as T doubles.
+    assert errors[0] < 0.3 and errors[1] < 0.6 * errors[0] and errors[2] < 0.6 * errors[1], errors
+    grads = [torch.autograd.grad(distillation_loss(s, t, temperature=T), s)[0].norm() for T in (2.0, 10.0)]
+    assert 0.5 < float(grads[0] / grads[1]) < 2.0
