@@ -49,6 +49,19 @@ class TricksArguments(TrainingArguments):
         metadata={"help": "Divide the logits by this temperature (> 0) before any loss. 1.0 leaves them as they are."},
     )
 
+    # --- Distillation (batches that carry `teacher_logits`) ---
+    distill_temperature: float = field(
+        default=2.0,
+        metadata={
+            "help": "Temperature T > 0 of knowledge distillation (Hinton et al. 2015), used when a batch carries "
+            "`teacher_logits`: alpha * T^2 * KL(teacher || student) + (1 - alpha) * CE(labels)."
+        },
+    )
+    distill_alpha: float = field(
+        default=0.5,
+        metadata={"help": "Weight in [0, 1] of the soft (teacher) term of the distillation loss."},
+    )
+
     # --- Optimizer parameter groups ---
     head_lr_scale: float = field(
         default=1.0,
@@ -106,6 +119,10 @@ class TricksArguments(TrainingArguments):
             raise ValueError(
                 "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
             )
+        if self.distill_temperature <= 0:
+            raise ValueError(f"distill_temperature={self.distill_temperature} is not allowed; it must be > 0")
+        if not 0.0 <= self.distill_alpha <= 1.0:
+            raise ValueError(f"distill_alpha={self.distill_alpha} is not allowed; it must be in [0, 1]")
         if self.head_lr_scale <= 0:
             raise ValueError(f"head_lr_scale={self.head_lr_scale} is not allowed; it must be > 0")
         if not 0.0 < self.layer_decay <= 1.0:

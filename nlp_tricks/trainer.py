@@ -10,7 +10,7 @@ from transformers import Trainer
 from transformers.trainer_optimizer import is_optimizer_factory
 
 from .config import TricksArguments
-from .losses import cross_entropy, focal_loss, label_smoothing_cross_entropy
+from .losses import cross_entropy, distillation_loss, focal_loss, label_smoothing_cross_entropy
 from .param_groups import build_param_groups
 
 __all__ = ["TricksTrainer"]
@@ -26,6 +26,8 @@ class TricksTrainer(Trainer):
       (cross-entropy, focal or label smoothing) to ``logits / args.temperature``. The loss is a sum divided by
       ``num_items_in_batch`` (the label count of the whole accumulated, all-process batch), so gradient accumulation
       is exact for every loss. Float labels (regression, multi-label) keep the model's own loss, rescaled likewise.
+      A batch that carries ``teacher_logits`` (self-training with soft labels) gets :func:`~nlp_tricks.losses.
+      distillation_loss` at ``args.distill_temperature`` / ``args.distill_alpha`` instead.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay.
@@ -42,7 +44,13 @@ class TricksTrainer(Trainer):
         from nlp_tricks import TricksArguments, TricksTrainer, focal_loss
 
         class MyTrainer(TricksTrainer):
-            def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+            def _set_signature_columns_if_needed(self):
+        # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
+        super()._set_signature_columns_if_needed()
+        if "teacher_logits" not in self._signature_columns:
+            self._signature_columns.append("teacher_logits")
+
+    def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
                 loss = super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
                 # e.g. add an auxiliary focal term on the same logits
                 return loss + 0.1 * focal_loss(logits, labels, gamma=1.0, num_items_in_batch=num_items_in_batch)
@@ -114,6 +122,7 @@ class TricksTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
+        teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         if labels.is_floating_point():
             # Regression / multi-label: the model's own loss is a mean over its label elements.
@@ -125,10 +134,26 @@ class TricksTrainer(Trainer):
             self._add_decoder_input_ids(model, inputs, labels)
             outputs = model(**inputs)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-            loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
+            if teacher_logits is not None:
+                loss = distillation_loss(
+                    logits,
+                    teacher_logits,
+                    labels,
+                    temperature=self.args.distill_temperature,
+                    alpha=self.args.distill_alpha,
+                    num_items_in_batch=num_items,
+                )
+            else:
+                loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
         if num_items is not None:
             loss = loss * self._loss_scale_for_devices()
         return (loss, outputs) if return_outputs else loss
+
+    def _set_signature_columns_if_needed(self):
+        # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
+        super()._set_signature_columns_if_needed()
+        if "teacher_logits" not in self._signature_columns:
+            self._signature_columns.append("teacher_logits")
 
     def compute_tricks_loss(
         self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None

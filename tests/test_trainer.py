@@ -185,3 +185,18 @@ def test_recorded_metrics_are_averaged_into_the_training_log(tmp_path):
     # 2 optimizer steps per log, 2 micro-batches each: steps 0,0,1,1 then 2,2,3,3
     assert [e["seen_step"] for e in logs] == [0.5, 2.5]
     assert [e["calls"] for e in logs] == [4, 8]
+
+
+def test_teacher_logits_switch_to_distillation(tmp_path):
+    model = bert_token_cls()
+    batch = _batch(token_cls_data())
+    teacher = torch.randn(*batch["labels"].shape, 5)
+    args = tricks_args(tmp_path, distill_temperature=3.0, distill_alpha=0.25)
+    trainer = TricksTrainer(model=model, args=args)
+    with torch.no_grad():
+        ours = trainer.compute_loss(model, {**batch, "teacher_logits": teacher})
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    keep = batch["labels"] != -100
+    s, t, y = logits[keep], teacher[keep], batch["labels"][keep]
+    kl = F.kl_div(F.log_softmax(s / 3, -1), F.log_softmax(t / 3, -1), log_target=True, reduction="batchmean")
+    torch.testing.assert_close(ours, 0.25 * 9 * kl + 0.75 * F.cross_entropy(s, y))
