@@ -109,9 +109,11 @@ def main():
         t = statistics.median(times[name])
         rows.append(
             {
-                "loss": name,
+                "benchmark": "losses",
+                "case": name,
+                "baseline": "cross_entropy",
                 "median_ms": 1000 * t,
-                "time_vs_ce": t / base_time,
+                "ratio": t / base_time,
                 "buffers": memory[name],
                 "extra_buffers_vs_ce": memory[name] - memory["cross_entropy"],
             }
@@ -129,7 +131,7 @@ def main():
     print("|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['loss']} | {r['median_ms']:.0f} | {r['time_vs_ce']:.2f}x | {r['buffers']:.2f} | "
+            f"| {r['case']} | {r['median_ms']:.0f} | {r['ratio']:.2f}x | {r['buffers']:.2f} | "
             f"{r['extra_buffers_vs_ce']:+.2f} |"
         )
 

@@ -1,0 +1,69 @@
+"""Run every benchmark in benchmarks/, each side by side with its baseline in one process; print one table.
+
+    python benchmarks/run_all.py            # the full runs the README quotes (tens of minutes on 2 CPU cores)
+    python benchmarks/run_all.py --quick    # tiny shapes, seconds each: checks that every benchmark runs
+
+Each benchmark script prints its rows as JSON with ``--json``: ``benchmark``, ``case``, ``baseline``, ``ratio``
+(time of ``case`` / time of ``baseline``, measured in the same process) and ``median_ms``. Ratios are what to
+compare across machines; absolute times are labelled with the machine they come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def machine_label() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {device}, torch {torch.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: seconds per benchmark")
+    parser.add_argument("--only", default=None, help="comma-separated benchmark file stems to run")
+    args = parser.parse_args(argv)
+
+    scripts = sorted(p for p in HERE.glob("*.py") if p.name not in ("run_all.py", "__init__.py"))
+    if args.only:
+        scripts = [p for p in scripts if p.stem in args.only.split(",")]
+    rows, failed = [], []
+    for script in scripts:
+        command = [sys.executable, str(script), "--json"] + (["--quick"] if args.quick else [])
+        print(f"[run_all] {' '.join(command)}", file=sys.stderr, flush=True)
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed.append(script.stem)
+            print(proc.stderr[-2000:], file=sys.stderr)
+            continue
+        rows.extend(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    print(f"Machine: {machine_label()}{' (--quick shapes)' if args.quick else ''}\n")
+    print("| benchmark | case | baseline | time / baseline | median ms |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['benchmark']} | {r['case']} | {r['baseline']} | {r['ratio']:.2f}x | {r['median_ms']:.1f} |")
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

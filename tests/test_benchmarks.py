@@ -1,0 +1,30 @@
+"""Every benchmark runs (quick shapes) and reports a ratio against its baseline from the same run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_run_all_quick():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| losses | focal_loss | cross_entropy |" in proc.stdout
+
+
+def test_losses_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "losses.py"), "--quick", "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert rows["cross_entropy"]["ratio"] == 1.0
+    assert set(rows) == {"cross_entropy", "focal_loss", "label_smoothing"}
+    assert all(r["median_ms"] > 0 for r in rows.values())
