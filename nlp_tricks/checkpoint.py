@@ -83,7 +83,10 @@ def read_state_dict(source, *, map_location: str | torch.device = "cpu") -> dict
         raise TypeError(
             f"source must be a path (file or folder) or a state dict (a mapping), got {type(source).__name__}"
         )
-    return _open_wrappers(state, where)
+    state = _open_wrappers(state, where)
+    if isinstance(source, Mapping):
+        state = {k: v.to(device) for k, v in state.items()}
+    return state
 
 
 def _device(map_location) -> torch.device:
@@ -222,8 +225,8 @@ def load_state_dict_portable(
     state = read_state_dict(source, map_location=device)
     where = "the state dict passed in" if isinstance(source, Mapping) else os.fspath(source)
     target = unwrap_model(model)
+    _load_strict(target, state, where)  # raises before touching the model on any mismatch
     target.to(device)
-    _load_strict(target, state, where)
     return model
 
 

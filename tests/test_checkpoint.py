@@ -363,6 +363,9 @@ def test_gpu_checkpoint_loads_on_cpu_and_cpu_checkpoint_on_gpu(tmp_path):
     load_state_dict_portable(target, tmp_path / "gpu.pt", map_location="cuda:0")
     assert all(p.device.type == "cuda" for p in target.parameters())
     _assert_loaded(target.cpu(), reference)
+    load_state_dict_portable(target, wrapped.state_dict(), map_location="cpu")  # in memory, on the GPU
+    assert all(p.device.type == "cpu" for p in target.parameters())
+    _assert_loaded(target, reference)
 
 
 # ---- Checkpoint folders ----------------------------------------------------------------------------------------
