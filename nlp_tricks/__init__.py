@@ -1,5 +1,6 @@
 """nlp_tricks: competition-proven fine-tuning tricks for Hugging Face transformers."""
 
+from .checkpoint import load_state_dict_portable  # --- Checkpoints ---
 from .config import TricksArguments
 from .losses import FocalLoss, LabelSmoothingCrossEntropy, cross_entropy, focal_loss, label_smoothing_cross_entropy
 from .param_groups import build_param_groups
@@ -16,4 +17,6 @@ __all__ = [
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
     "build_param_groups",
+    # --- Checkpoints ---
+    "load_state_dict_portable",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_optimizer import is_optimizer_factory
 
+from .checkpoint import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 from .config import TricksArguments
 from .losses import cross_entropy, distillation_loss, focal_loss, label_smoothing_cross_entropy
 from .param_groups import build_param_groups
@@ -237,3 +239,44 @@ class TricksTrainer(Trainer):
             return super().create_optimizer(model)
         self.optimizer = optimizer_cls(self.build_optimizer_groups(opt_model), **optimizer_kwargs)
         return self.optimizer
+
+    # --- Checkpoints ---
+
+    @property
+    def trick_state(self) -> dict[str, float]:
+        """Cumulative numbers of the tricks (counters, schedules): logged as they are, saved with each checkpoint in
+        ``trainer_state.json`` and restored on resume (held by a :class:`~nlp_tricks.checkpoint.TrickStateCallback`).
+        """
+        return self._trick_state_callback().trick_state
+
+    @trick_state.setter
+    def trick_state(self, value: dict[str, float]) -> None:
+        self._trick_state_callback().trick_state = dict(value)
+
+    def _trick_state_callback(self) -> TrickStateCallback:
+        # Looked up each time: with `restore_callback_states_from_checkpoint` the Trainer swaps in a new instance.
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, TrickStateCallback):
+                return callback
+        callback = TrickStateCallback()
+        self.add_callback(callback)
+        return callback
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
+        """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``.
+
+        Upstream takes the highest-numbered folder, even one a crash left half-written; here newer incomplete
+        folders are skipped with a warning naming them and what is wrong (see
+        :func:`~nlp_tricks.checkpoint.checkpoint_problem`), and a named checkpoint that is incomplete raises.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            problem = checkpoint_problem(resume_from_checkpoint)
+            if problem is not None:
+                raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+        )

@@ -1,0 +1,433 @@
+"""Portable, strict, safe checkpoint loading, and the checks that find the newest complete Trainer checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import struct
+import zipfile
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+__all__ = [
+    "load_state_dict_portable",
+    "read_state_dict",
+    "is_state_dict_file",
+    "CheckpointMismatchError",
+    "checkpoint_problem",
+    "get_last_complete_checkpoint",
+    "TrickStateCallback",
+]
+
+logger = logging.getLogger(__name__)
+
+# Leading key prefixes added by wrappers: DataParallel / DDP (`module.`) and torch.compile (`_orig_mod.`).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+TORCH_SUFFIXES = (".pt", ".bin", ".pth")
+STATE_DICT_SUFFIXES = TORCH_SUFFIXES + (".safetensors",)
+# What save_pretrained / the Trainer write, in the order transformers prefers them.
+WEIGHTS_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+TRAINER_STATE_NAME = "trainer_state.json"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+MAX_LISTED = 10
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint's keys or shapes do not match the model it is loaded into."""
+
+
+# ---- Reading ---------------------------------------------------------------------------------------------------
+
+
+def is_state_dict_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a state-dict file :func:`load_state_dict_portable` reads (.pt/.bin/.pth/.safetensors)."""
+    return os.path.isfile(path) and str(path).endswith(STATE_DICT_SUFFIXES)
+
+
+def read_state_dict(source, *, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read a state dict from a file, a ``save_pretrained`` / Trainer folder (sharded too) or a mapping.
+
+    The wrappers ``{"model": ...}`` and ``{"state_dict": ...}`` are opened; key prefixes are left as they are (see
+    :func:`load_state_dict_portable` for their removal). Torch files load with ``weights_only=True``: a file that
+    needs arbitrary unpickling raises ``pickle.UnpicklingError`` and none of its code runs.
+
+    Args:
+        source: path to a ``.pt`` / ``.bin`` / ``.pth`` / ``.safetensors`` file or a folder, or a state dict.
+        map_location (`str` or `torch.device`, defaults to ``"cpu"``): where the tensors are loaded.
+    """
+    device = _device(map_location)
+    if isinstance(source, Mapping):
+        state, where = source, "the state dict passed in"
+    elif isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            state, where = _read_folder(path, device), path
+        elif os.path.isfile(path):
+            state, where = _read_file(path, device), path
+        else:
+            raise FileNotFoundError(f"source={path!r} is neither a file nor a folder")
+    else:
+        raise TypeError(
+            f"source must be a path (file or folder) or a state dict (a mapping), got {type(source).__name__}"
+        )
+    state = _open_wrappers(state, where)
+    if isinstance(source, Mapping):
+        state = {k: v.to(device) for k, v in state.items()}
+    return state
+
+
+def _device(map_location) -> torch.device:
+    if not isinstance(map_location, (str, torch.device)):
+        raise TypeError(
+            f"map_location must be a device (a str such as 'cpu' / 'cuda:0', or a torch.device), got "
+            f"{type(map_location).__name__}"
+        )
+    return torch.device(map_location)
+
+
+def _read_file(path: str, device: torch.device) -> Mapping:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        # safetensors takes "cpu" / "cuda:0" strings; a bare "cuda" means the current device.
+        return load_file(path, device=str(device))
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(
+            f"Refusing to load {path}: it needs arbitrary unpickling, which can run any code the file carries, and "
+            "only tensors and plain containers are allowed (torch.load(weights_only=True)). If you trust the file, "
+            "convert it once: torch.save(torch.load(path, weights_only=False)['<key>'].state_dict(), new_path), or "
+            f"save it as safetensors. torch said: {str(error).splitlines()[0]}"
+        ) from None
+
+
+def _read_folder(folder: str, device: torch.device) -> dict[str, torch.Tensor]:
+    for name in WEIGHTS_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".index.json"):
+            return dict(_read_file(path, device))
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(_read_file(os.path.join(folder, shard), device))
+        absent = sorted(set(weight_map) - set(state))
+        if absent:
+            raise CheckpointMismatchError(f"{path} lists {len(absent)} keys its shards do not hold: {_first(absent)}")
+        return state
+    raise FileNotFoundError(
+        f"No model weights in {folder}: looked for {', '.join(WEIGHTS_FILES)}; it holds "
+        f"{', '.join(sorted(os.listdir(folder))) or 'nothing'}"
+    )
+
+
+def _open_wrappers(state: Mapping, where: str) -> dict[str, torch.Tensor]:
+    """Open ``{"state_dict": sd}`` / ``{"model": sd}`` (nested too) and check that every value is a tensor."""
+    while not all(torch.is_tensor(v) for v in state.values()):
+        inner = next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), Mapping)), None)
+        if inner is None:
+            bad = [k for k, v in state.items() if not torch.is_tensor(v)]
+            raise TypeError(
+                f"{where} is not a state dict: {len(bad)} values are not tensors ({_first(bad)}), and it has no "
+                "'state_dict' or 'model' entry holding one"
+            )
+        state = inner
+    return dict(state)
+
+
+# ---- Prefixes --------------------------------------------------------------------------------------------------
+
+
+def _wrapper_prefix(keys) -> str:
+    """The chain of wrapper prefixes every key starts with (``""`` if none): ``module._orig_mod.`` etc.
+
+    A wrapper prefixes every key, so only a prefix shared by all keys is one; per key stripping would also eat the
+    name of a real submodule called ``module``, and an inner ``encoder.module.weight`` is never touched.
+    """
+    keys = list(keys)
+    prefix = ""
+    while keys:
+        token = next((t for t in WRAPPER_PREFIXES if all(k.startswith(prefix + t) for k in keys)), None)
+        if token is None:
+            break
+        prefix += token
+    return prefix
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DataParallel / DistributedDataParallel / torch.compile wrappers, in any nesting."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+# ---- Loading ---------------------------------------------------------------------------------------------------
+
+
+def load_state_dict_portable(
+    model: nn.Module, source, *, map_location: str | torch.device = "cpu", strict: bool = True
+) -> nn.Module:
+    """Load any checkpoint of ``model`` strictly and safely, whatever wrapped it when it was saved, onto one device.
+
+    - ``source``: a ``.pt`` / ``.bin`` / ``.pth`` / ``.safetensors`` file, a ``save_pretrained`` / Trainer
+      checkpoint folder (``model.safetensors``, ``pytorch_model.bin`` or their sharded ``*.index.json``), or a state
+      dict; ``{"model": ...}`` / ``{"state_dict": ...}`` wrappers are opened.
+    - Prefixes: the leading ``module.`` (DataParallel / DDP) and ``_orig_mod.`` (``torch.compile``) that a wrapper
+      puts on every key are removed, in any order or nesting, on both sides, so ``model`` may itself be wrapped. Only
+      prefixes: ``encoder.module.weight`` keeps its inner ``module.`` (``k.replace("module.", "")`` would not).
+    - Strict: any missing key, unexpected key or shape mismatch raises :class:`CheckpointMismatchError` naming the
+      first 10 of each with their counts. Keys the model ties (e.g. a decoder tied to the input embeddings; one
+      tensor under two names) need only one name in the checkpoint: ``save_pretrained`` writes one. Keys of the
+      model's non-persistent buffers (``position_ids`` in older checkpoints) are not weights and are skipped.
+    - Safe: torch files load with ``weights_only=True``; one that needs arbitrary unpickling is refused and none of
+      its code runs.
+
+    ``strict=False`` is not offered on purpose: it "loads" a model whose unmatched weights silently stay random (a
+    renamed head, a forgotten prefix) and the error only shows as bad predictions. Rename keys instead, or load a
+    filtered state dict into the submodule that should receive it.
+
+    Args:
+        model (`nn.Module`): the model to load into, wrapped or not; it is moved to ``map_location``.
+        source: a path (file or folder) or a state dict, as above.
+        map_location (`str` or `torch.device`, defaults to ``"cpu"``): the device of the tensors and of the model.
+        strict (`bool`, defaults to ``True``): must be ``True`` (see above).
+
+    Returns:
+        ``model`` (the object passed in), with the weights loaded, on ``map_location``.
+    """
+    if strict is not True:
+        raise ValueError(
+            f"strict={strict!r} is not allowed; load_state_dict_portable only loads strictly (strict=True): a partial "
+            "load leaves the unmatched weights random without a trace. Rename the keys or load a filtered state dict "
+            "into the submodule instead."
+        )
+    device = _device(map_location)
+    state = read_state_dict(source, map_location=device)
+    where = "the state dict passed in" if isinstance(source, Mapping) else os.fspath(source)
+    target = unwrap_model(model)
+    _load_strict(target, state, where)  # raises before touching the model on any mismatch
+    target.to(device)
+    return model
+
+
+def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    expected = module.state_dict(keep_vars=True)
+    src_prefix, tgt_prefix = _wrapper_prefix(state), _wrapper_prefix(expected)
+    source = {k[len(src_prefix) :]: v for k, v in state.items()}
+    target = {k[len(tgt_prefix) :]: k for k in expected}  # bare key -> the model's own key
+
+    # Tied names: one tensor object under several keys of the model.
+    by_tensor: dict[int, list[str]] = {}
+    for key, value in expected.items():
+        by_tensor.setdefault(id(value), []).append(key[len(tgt_prefix) :])
+    tied = {k: group for group in by_tensor.values() if len(group) > 1 for k in group}
+    skippable = {
+        name[len(tgt_prefix) :]
+        for name, _ in module.named_buffers()
+        if name not in expected  # non-persistent: the model computes it, checkpoints need not (but may) carry it
+    }
+
+    missing, unexpected, mismatched, conflicting = [], [], [], []
+    for key in target:
+        if key not in source and not any(k in source for k in tied.get(key, ())):
+            missing.append(target[key])
+    for key, value in source.items():
+        if key not in target:
+            if key not in skippable:
+                unexpected.append(src_prefix + key)
+        elif value.shape != expected[target[key]].shape:
+            shape = tuple(expected[target[key]].shape)
+            mismatched.append(f"{target[key]}: checkpoint {tuple(value.shape)} vs model {shape}")
+    for group in {tuple(g) for g in tied.values()}:
+        present = [k for k in group if k in source]
+        if any(not torch.equal(source[present[0]], source[k]) for k in present[1:]):
+            conflicting.append(" / ".join(present))
+
+    if missing or unexpected or mismatched or conflicting:
+        lines = [f"{where} does not match {type(module).__name__}:"]
+        for title, items in [
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches", mismatched),
+            ("tied keys with different values", conflicting),
+        ]:
+            if items:
+                lines.append(f"  {title} ({len(items)}): {_first(items)}")
+        if src_prefix or tgt_prefix:
+            lines.append(f"  (wrapper prefixes removed: checkpoint {src_prefix!r}, model {tgt_prefix!r})")
+        lines.append("Only strict loading is offered: a partial load would leave these weights random.")
+        raise CheckpointMismatchError("\n".join(lines))
+
+    to_load = {}
+    for key, name in target.items():
+        donor = key if key in source else next(k for k in tied[key] if k in source)
+        to_load[name] = source[donor]
+    module.load_state_dict(to_load, strict=True)
+
+
+def _first(items) -> str:
+    items = list(items)
+    shown = ", ".join(items[:MAX_LISTED])
+    return shown + (f", ... (first {MAX_LISTED} of {len(items)})" if len(items) > MAX_LISTED else "")
+
+
+# ---- Checkpoint folders ----------------------------------------------------------------------------------------
+
+
+def checkpoint_problem(folder: str | os.PathLike) -> str | None:
+    """What makes a Trainer checkpoint folder unusable for resuming, or ``None`` when it is complete.
+
+    Complete means: ``trainer_state.json`` (the Trainer writes it last) parses; model weights are present
+    (``model.safetensors``, ``pytorch_model.bin``, their sharded indexes with every shard, an adapter, or a
+    DeepSpeed / FSDP layout); and every weight, optimizer, scheduler, scaler and RNG file in the folder is intact:
+    a safetensors file as long as its header promises, a torch file with a readable zip directory whose members lie
+    inside the file. These checks read headers only, so they take milliseconds on any model size; a crash truncates
+    files, which they catch, while bytes flipped inside a file are not checksummed here.
+    """
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return "not a folder"
+    names = set(os.listdir(folder))
+    if TRAINER_STATE_NAME not in names:
+        return f"{TRAINER_STATE_NAME} is missing (the Trainer writes it last, so the save did not finish)"
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".json"):
+            problem = _json_problem(path)
+        elif name.endswith(".safetensors"):
+            problem = _safetensors_problem(path)
+        elif name.endswith(TORCH_SUFFIXES):
+            problem = _torch_zip_problem(path)
+        else:
+            continue
+        if problem:
+            return f"{name} is {problem}"
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if index in names:
+            with open(os.path.join(folder, index)) as f:
+                shards = set(json.load(f).get("weight_map", {}).values())
+            absent = sorted(shards - names)
+            if absent:
+                return f"{index} lists shards that are missing: {_first(absent)}"
+    has_weights = any(n in names for n in WEIGHTS_FILES + ADAPTER_FILES)
+    distributed_layout = "latest" in names or any(n.startswith("pytorch_model_fsdp") for n in names)
+    if not (has_weights or distributed_layout):
+        return f"no model weights ({', '.join(WEIGHTS_FILES)})"
+    return None
+
+
+def get_last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that :func:`checkpoint_problem` finds complete.
+
+    Newer folders that are incomplete (a crash while saving) are skipped with a warning naming them and what is
+    wrong. ``None`` if there is no complete one.
+    """
+    output_dir = os.fspath(output_dir)
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (m := CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    )
+    for _, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning(f"Skipping incomplete checkpoint {path}: {problem}")
+    return None
+
+
+def _json_problem(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        return f"unreadable JSON ({error})"
+    return None
+
+
+def _safetensors_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                return f"truncated ({size} bytes, shorter than its {header_len}-byte header)"
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, struct.error) as error:
+        return f"unreadable ({error})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        return f"truncated ({size} bytes, its header promises {8 + header_len + end})"
+    return None
+
+
+def _torch_zip_problem(path: str) -> str | None:
+    size = os.path.getsize(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+    except (OSError, zipfile.BadZipFile) as error:
+        # The zip directory sits at the end of the file: a truncated file loses it.
+        return f"truncated or unreadable ({size} bytes; not a complete torch file: {error})"
+    if not infos:
+        return "an empty archive"
+    if any(info.header_offset + info.compress_size > size for info in infos):
+        return f"truncated ({size} bytes; its members extend past the end)"
+    return None
+
+
+# ---- Trick state -----------------------------------------------------------------------------------------------
+
+
+class TrickStateCallback(TrainerCallback, ExportableState):
+    """Carries ``TricksTrainer.trick_state`` into each checkpoint and back on resume.
+
+    The Trainer saves :class:`~transformers.trainer_callback.ExportableState` callbacks inside ``trainer_state.json``
+    (under ``stateful_callbacks``), the file it writes last, so the tricks' counters are part of the checkpoint as
+    atomically as the step count. On resume they are restored in :meth:`on_train_begin` (whether or not
+    ``restore_callback_states_from_checkpoint`` is set).
+    """
+
+    def __init__(self, trick_state: dict | None = None):
+        self.trick_state = {} if trick_state is None else trick_state
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"trick_state": dict(self.trick_state)}}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A fresh run holds our own current state here; a resumed run holds the checkpoint's.
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        if isinstance(saved, list):
+            saved = saved[0]
+        if saved is not None:
+            restored = dict(saved.get("attributes", {}).get("trick_state", {}))
+            self.trick_state.clear()
+            self.trick_state.update(restored)
+        else:
+            # A checkpoint written without this callback: the Trainer's save step indexes the entry, so create it.
+            state.stateful_callbacks[type(self).__name__] = self.state()

@@ -1,0 +1,86 @@
+"""Train a tiny BERT with checkpoints, for tests/test_resume.py: optionally SIGKILL itself right after a chosen save,
+or resume from the newest complete checkpoint.
+
+    python tests/scripts/resume_run.py --out DIR --config '{"loss_type": "focal"}' [--kill_after_save 6] [--resume]
+        [--max_steps 8]
+
+At the end it writes DIR/final.safetensors (the weights) and DIR/final_trick_state.json.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from nlp_tricks import TricksTrainer  # noqa: E402
+from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+
+# The schedule the test relies on: 12 examples / batch 4 = 3 steps per epoch, a checkpoint every 2 steps.
+MAX_STEPS, SAVE_STEPS = 8, 2
+
+
+class CountingTrainer(TricksTrainer):
+    """Keeps cumulative counters in trick_state, as the tricks do (attack skips, sampling steps)."""
+
+    def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+        self.trick_state["loss_calls"] = self.trick_state.get("loss_calls", 0) + 1
+        self.trick_state["labels_seen"] = self.trick_state.get("labels_seen", 0) + int(labels.ne(-100).sum())
+        return super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+
+
+class KillAfterSave(TrainerCallback):
+    """SIGKILL this process right after the checkpoint of ``step`` is written: a crash at a known point."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ReportStart(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        print(f"start_step={state.global_step}", flush=True)
+
+
+def run(out, config, kill_after_save=None, resume=False, max_steps=MAX_STEPS):
+    # Dropout on, so the resumed run also needs the RNG state back.
+    model = bert_token_cls(hidden_dropout_prob=0.1)
+    args = tricks_args(
+        out, max_steps=max_steps, save_strategy="steps", save_steps=SAVE_STEPS, logging_steps=1, **config
+    )
+    callbacks = [ReportStart()] + ([KillAfterSave(kill_after_save)] if kill_after_save else [])
+    trainer = CountingTrainer(model=model, args=args, train_dataset=token_cls_data(n=12), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
+    with open(os.path.join(out, "final_trick_state.json"), "w") as f:
+        json.dump(trainer.trick_state, f)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default="{}", help="TricksArguments overrides as JSON")
+    parser.add_argument("--reference_out", help="first train uninterrupted into this folder")
+    parser.add_argument("--kill_after_save", type=int)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--max_steps", type=int, default=MAX_STEPS)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)  # the same kernels in every process: results comparable across processes
+    config = json.loads(cli.config)
+    if cli.reference_out:
+        run(cli.reference_out, config, max_steps=cli.max_steps)
+    run(cli.out, config, kill_after_save=cli.kill_after_save, resume=cli.resume, max_steps=cli.max_steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Crash-safe resume: kill -9 then resume equals an uninterrupted run; trick_state survives checkpoints; resume picks
+the newest complete checkpoint; gradients never leak into the next step."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from scripts import resume_run
+from transformers import TrainerCallback
+
+from nlp_tricks import TricksTrainer
+from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, tricks_args
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+# One case per trick setting; extend the list as tricks arrive (adversarial, scheduled sampling). Each case names
+# how the newest checkpoint is torn after the kill, and the reason the resume must report for it.
+CRASH_CASES = {
+    "focal_layer_decay": (
+        {"loss_type": "focal", "focal_gamma": 2.0, "layer_decay": 0.8, "head_lr_scale": 5.0, "warmup_ratio": 0.25},
+        lambda ckpt: _truncate(ckpt / "optimizer.pt"),
+        "optimizer.pt is truncated",
+    ),
+    "label_smoothing_accumulation": (
+        {
+            "loss_type": "label_smoothing",
+            "label_smoothing_factor": 0.1,
+            "gradient_accumulation_steps": 2,
+            "per_device_train_batch_size": 2,
+        },
+        lambda ckpt: _truncate(ckpt / "model.safetensors"),
+        "model.safetensors is truncated",
+    ),
+    "ce_no_trainer_state": (
+        {"lr_scheduler_type": "cosine"},
+        lambda ckpt: (ckpt / "trainer_state.json").unlink(),
+        "trainer_state.json is missing",
+    ),
+}
+
+
+@pytest.fixture
+def one_thread():
+    """The same kernels in every run and process, so the runs are comparable to float32 round-off."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _killed_in_child(fn) -> int:
+    """Run ``fn`` in a forked child process (it has everything imported already) and return its wait status."""
+    pid = os.fork()
+    if pid == 0:  # the child: fn is expected to SIGKILL it; anything else is a failure
+        try:
+            fn()
+        finally:
+            os._exit(3)
+    return os.waitpid(pid, 0)[1]
+
+
+def _assert_same_result(reference: Path, resumed: Path, config: dict) -> None:
+    want, got = load_file(reference / "final.safetensors"), load_file(resumed / "final.safetensors")
+    initial = bert_token_cls(hidden_dropout_prob=0.1).state_dict()
+    assert set(got) == set(want)
+    for name in want:
+        assert not torch.equal(want[name], initial[name]), f"{name} did not train"
+        # Same kernels in the same order on one thread: any difference is float32 round-off at most.
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    trick_state = json.loads((resumed / "final_trick_state.json").read_text())
+    assert trick_state == json.loads((reference / "final_trick_state.json").read_text())
+    # One loss call per micro-batch: the counter covers the killed part and the resumed part.
+    assert trick_state["loss_calls"] == resume_run.MAX_STEPS * config.get("gradient_accumulation_steps", 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("case", list(CRASH_CASES))
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, one_thread, caplog, case):
+    config, tear, reason = CRASH_CASES[case]
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    resume_run.run(reference, config)
+
+    status = _killed_in_child(lambda: resume_run.run(crashed, config, kill_after_save=6))
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"wait status {status}"
+    assert not (crashed / "final.safetensors").exists()
+    assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+    tear(crashed / "checkpoint-6")  # the newest checkpoint, as a crash in the middle of its save leaves it
+    with caplog.at_level(logging.WARNING, logger="nlp_tricks.checkpoint"):
+        resume_run.run(crashed, config, resume=True)
+    assert f"Skipping incomplete checkpoint {crashed / 'checkpoint-6'}: {reason}" in caplog.text
+    _assert_same_result(reference, crashed, config)
+
+
+def _run_script(*args, wait=True):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["HF_HUB_OFFLINE"] = "1"
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    if not wait:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_kill_9_from_outside_at_any_moment_then_resume_in_a_new_interpreter(tmp_path, one_thread):
+    """A separate interpreter killed from outside wherever it is (maybe mid-save), resumed by another interpreter."""
+    config, max_steps = {"loss_type": "focal", "layer_decay": 0.8}, 40
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    resume_run.run(reference, config, max_steps=max_steps)
+    process = _run_script("--out", crashed, "--config", json.dumps(config), "--max_steps", max_steps, wait=False)
+    deadline = time.monotonic() + 300
+    while not (crashed / "checkpoint-4" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    resumed = _run_script("--out", crashed, "--config", json.dumps(config), "--resume", "--max_steps", max_steps)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = load_file(reference / "final.safetensors"), load_file(crashed / "final.safetensors")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    assert json.loads((crashed / "final_trick_state.json").read_text()) == json.loads(
+        (reference / "final_trick_state.json").read_text()
+    )
+
+
+# ---- trick_state in checkpoints --------------------------------------------------------------------------------
+
+
+class CountingTrainer(TricksTrainer):
+    def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+        self.trick_state["loss_calls"] = self.trick_state.get("loss_calls", 0) + 1
+        return super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+
+
+def _counting_trainer(out, **overrides):
+    args = tricks_args(out, max_steps=4, save_strategy="steps", save_steps=2, **overrides)
+    return CountingTrainer(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=8))
+
+
+@pytest.mark.parametrize("restore_flag", [False, True])
+def test_trick_state_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_path, restore_flag):
+    _counting_trainer(tmp_path, restore_callback_states_from_checkpoint=restore_flag).train()
+    for step in (2, 4):
+        saved = json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        assert saved["stateful_callbacks"]["TrickStateCallback"]["attributes"]["trick_state"] == {"loss_calls": step}
+    # Resume from step 2 of 4: the counter continues from 2 (a fresh counter would end at 2, not 4).
+    trainer = _counting_trainer(tmp_path, restore_callback_states_from_checkpoint=restore_flag)
+    trainer.trick_state["stale"] = 99  # replaced by the checkpoint's state
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert trainer.trick_state == {"loss_calls": 4}
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["TrickStateCallback"]["attributes"]["trick_state"] == {"loss_calls": 4}
+
+
+def test_resume_true_picks_the_newest_complete_checkpoint_and_a_named_torn_one_raises(tmp_path, caplog):
+    _counting_trainer(tmp_path).train()
+    _truncate(tmp_path / "checkpoint-4" / "optimizer.pt")
+    trainer = _counting_trainer(tmp_path)
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.trick_state == {"loss_calls": 4}  # resumed at 2 (restored 2) and ran 2 more steps
+    assert checkpoint_ok(tmp_path / "checkpoint-4")  # and the resumed run wrote checkpoint-4 anew
+
+    _truncate(tmp_path / "checkpoint-4" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint=.*checkpoint-4' is incomplete: model.safetensors"):
+        _counting_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    with pytest.raises(ValueError, match="No complete checkpoint found in output directory"):
+        _counting_trainer(tmp_path / "empty").train(resume_from_checkpoint=True)
+
+
+def checkpoint_ok(folder):
+    from nlp_tricks.checkpoint import checkpoint_problem
+
+    return checkpoint_problem(folder) is None
+
+
+# ---- Gradient hygiene ------------------------------------------------------------------------------------------
+
+EXCLUDED, FROZEN_LATER = "bert.pooler.dense.weight", "classifier.weight"
+
+
+class SubsetTrainer(TricksTrainer):
+    """An optimizer that does not own one trainable parameter (e.g. a part trained by another optimizer)."""
+
+    def build_optimizer_groups(self, model):
+        excluded = model.get_parameter(EXCLUDED)
+        groups = super().build_optimizer_groups(model)
+        for group in groups:
+            group["params"] = [p for p in group["params"] if p is not excluded]
+        return groups
+
+
+class GradientProbe(TrainerCallback):
+    """Before each optimizer step: the excluded parameter holds a gradient; after it: every gradient is cleared."""
+
+    def __init__(self, model):
+        self.model = model
+        self.before, self.leaks = [], []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        grad = self.model.get_parameter(EXCLUDED).grad
+        self.before.append(grad is not None and bool(grad.abs().sum() > 0))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and bool(p.grad.abs().sum() > 0):
+                self.leaks.append((state.global_step, name))
+        if state.global_step == 2:
+            self.model.get_parameter(FROZEN_LATER).requires_grad_(False)
+
+
+def test_no_gradient_survives_a_step_with_parameter_subsets_and_late_freezing(tmp_path):
+    """Upstream's loop calls ``model.zero_grad()`` (all of the model's parameters) after every optimizer step, not
+    ``optimizer.zero_grad()`` (only the ones it owns); this documents that TricksTrainer keeps that guarantee."""
+    model = bert_seq_cls()
+    probe = GradientProbe(model)
+    excluded_before = model.get_parameter(EXCLUDED).detach().clone()
+    args = tricks_args(tmp_path, max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    trainer = SubsetTrainer(model=model, args=args, train_dataset=seq_cls_data(n=16), callbacks=[probe])
+    frozen_at_2 = {}
+    trainer.add_callback(_Snapshot(model, FROZEN_LATER, 2, frozen_at_2))
+    trainer.train()
+    owned = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert id(model.get_parameter(EXCLUDED)) not in owned
+    assert probe.before == [True] * 4  # without the clearing, this gradient would pile up step after step
+    assert probe.leaks == []
+    assert torch.equal(model.get_parameter(EXCLUDED), excluded_before)  # not the optimizer's: never updated
+    assert torch.equal(model.get_parameter(FROZEN_LATER), frozen_at_2["value"])  # frozen: no update after step 2
+
+
+class _Snapshot(TrainerCallback):
+    def __init__(self, model, name, step, into):
+        self.model, self.name, self.step, self.into = model, name, step, into
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.into["value"] = self.model.get_parameter(self.name).detach().clone()
