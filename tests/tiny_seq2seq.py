@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from transformers import (
-    BertConfig,
     EncoderDecoderConfig,
     EncoderDecoderModel,
     MarianConfig,

@@ -112,7 +112,9 @@ def replacement_mask(
         return torch.zeros_like(allowed)
     if ratio == 0.0:
         return allowed
-    draw = torch.rand(labels.shape, generator=generator, device=labels.device if generator is None else generator.device)
+    draw = torch.rand(
+        labels.shape, generator=generator, device=labels.device if generator is None else generator.device
+    )
     return allowed & draw.to(labels.device).ge(ratio)
 
 
