@@ -26,6 +26,8 @@ def count_unique_parameters(model: nn.Module) -> int:
 
 def _stacks(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The encoder and the decoder stack of ``model`` (for BERT2BERT: the BertModel inside the BertLMHeadModel)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"tie_encoder_decoder needs an encoder-decoder model, got {type(model).__name__}")
     get_encoder = getattr(model, "get_encoder", None)
     get_decoder = getattr(model, "get_decoder", None)
     encoder = get_encoder() if get_encoder is not None else None
@@ -128,11 +130,14 @@ def tie_encoder_decoder(model: PreTrainedModel, scope: str | None = None) -> dic
         setattr(module, attr, source)
         ties[slot_name(module, attr)] = param_names[id(source)]
 
-    source = encoder.get_input_embeddings().weight
-    tie(decoder.get_input_embeddings(), "weight", source)
-    output = model.get_output_embeddings()
-    if output is not None:
-        tie(output, "weight", source)
+    # The model's own input embedding (BART's and T5's `shared`) is the tensor transformers keeps when it saves tied
+    # embeddings, so it is the source: after `from_pretrained` it holds the trained values.
+    model_input = model.get_input_embeddings()
+    encoder_input = encoder.get_input_embeddings()
+    source_module = model_input if model_input is not None else encoder_input
+    for module in (encoder_input, decoder.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None and module is not source_module:
+            tie(module, "weight", source_module.weight)
 
     if scope == "all":
         encoder_slots = _parameter_slots(encoder)
