@@ -1,5 +1,6 @@
 """Time of one scheduled-sampling training step against teacher forcing and a naive two-pass version, side by side.
 
+    python benchmarks/scheduled_sampling.py --threads 1   # the README's numbers
     python benchmarks/scheduled_sampling.py            # BART d_model 256, 3+3 layers, vocab 32k, batch 16, 256 -> 64
     python benchmarks/scheduled_sampling.py --quick    # tiny BART, seconds
 
@@ -84,7 +85,7 @@ def naive(model, inputs, labels):
 
 VARIANTS = {
     "teacher_forcing": teacher_forcing,
-    "scheduled_sampling": scheduled_sampling,
+    "scheduled_sampling (argmax)": scheduled_sampling,
     "scheduled_sampling (soft)": scheduled_sampling_soft,
     "naive (reruns the encoder)": naive,
 }

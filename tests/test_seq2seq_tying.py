@@ -1,7 +1,5 @@
 """Encoder-decoder weight tying: what is shared, that it stays shared through training, DDP and save / reload."""
 
-import os
-
 import pytest
 import torch
 from tiny_seq2seq import bart_lm, bert2bert, seq2seq_args, t5_lm
@@ -159,7 +157,6 @@ def test_ties_hold_under_ddp(tmp_path):
 
     model = bart_lm(tie_word_embeddings=False)
     tie_encoder_decoder(model, "all")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
