@@ -1,0 +1,136 @@
+"""Time of one scheduled-sampling training step against teacher forcing and a naive two-pass version, side by side.
+
+    python benchmarks/scheduled_sampling.py --threads 1   # the README's numbers
+    python benchmarks/scheduled_sampling.py            # BART d_model 256, 3+3 layers, vocab 32k, batch 16, 256 -> 64
+    python benchmarks/scheduled_sampling.py --quick    # tiny BART, seconds
+
+One step = forward, cross-entropy on the labels, backward (the optimizer update is the same for every variant and is
+left out, so the ratios are the strictest). Variants, on the same model and batch:
+
+- teacher_forcing: one plain forward.
+- scheduled_sampling: ``scheduled_sampling_forward`` (encoder once, decoder pass 1 under no_grad, pass 2 reusing the
+  encoder outputs), ratio 0.5, argmax; and the same with ``mode="soft"`` (the expected embedding adds a
+  (tokens x vocab) @ (vocab x d_model) product and its backward).
+- naive: pass 1 reruns the whole model (encoder included) under no_grad, then a full forward on the mixed input.
+
+Time: the median over interleaved repeats (the machine's noise hits every variant alike), on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import BartConfig, BartForConditionalGeneration
+
+from nlp_tricks.seq2seq.scheduled_sampling import mix_decoder_inputs, replacement_mask, scheduled_sampling_forward
+
+FULL = dict(d_model=256, layers=3, ffn=1024, heads=4, vocab=32000, batch=16, source=256, target=64, repeats=7)
+QUICK = dict(d_model=32, layers=2, ffn=64, heads=4, vocab=1000, batch=4, source=32, target=16, repeats=3)
+RATIO = 0.5
+
+
+def build(cfg):
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=cfg["vocab"],
+        d_model=cfg["d_model"],
+        encoder_layers=cfg["layers"],
+        decoder_layers=cfg["layers"],
+        encoder_attention_heads=cfg["heads"],
+        decoder_attention_heads=cfg["heads"],
+        encoder_ffn_dim=cfg["ffn"],
+        decoder_ffn_dim=cfg["ffn"],
+        max_position_embeddings=max(cfg["source"], cfg["target"]),
+    )
+    model = BartForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["source"]), generator=g)
+    labels = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["target"]), generator=g)
+    for i in range(cfg["batch"]):  # targets of different lengths
+        labels[i, cfg["target"] - (i * 7) % (cfg["target"] // 2) :] = -100
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "decoder_input_ids": model.prepare_decoder_input_ids_from_labels(labels=labels),
+    }
+    return model, inputs, labels
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def teacher_forcing(model, inputs, labels):
+    return model(**inputs).logits
+
+
+def scheduled_sampling(model, inputs, labels):
+    return scheduled_sampling_forward(model, inputs, labels, RATIO).logits
+
+
+def scheduled_sampling_soft(model, inputs, labels):
+    return scheduled_sampling_forward(model, inputs, labels, RATIO, mode="soft").logits
+
+
+def naive(model, inputs, labels):
+    with torch.no_grad():
+        first = model(**inputs).logits
+    mixed = mix_decoder_inputs(inputs["decoder_input_ids"], first, replacement_mask(labels, RATIO))
+    return model(**{**inputs, **mixed}).logits
+
+
+VARIANTS = {
+    "teacher_forcing": teacher_forcing,
+    "scheduled_sampling (argmax)": scheduled_sampling,
+    "scheduled_sampling (soft)": scheduled_sampling_soft,
+    "naive (reruns the encoder)": naive,
+}
+
+
+def step(fn, model, inputs, labels):
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    _loss(fn(model, inputs, labels), labels).backward()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny BART, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per variant")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.repeats:
+        cfg["repeats"] = args.repeats
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, inputs, labels = build(cfg)
+    for fn in VARIANTS.values():  # warm-up
+        step(fn, model, inputs, labels)
+    times = {name: [] for name in VARIANTS}
+    for _ in range(cfg["repeats"]):
+        for name, fn in VARIANTS.items():
+            times[name].append(step(fn, model, inputs, labels))
+
+    shape = (
+        f"BART d_model {cfg['d_model']}, {cfg['layers']}+{cfg['layers']} layers, vocab {cfg['vocab']}, batch "
+        f"{cfg['batch']}, source {cfg['source']}, target {cfg['target']}; ratio {RATIO}; "
+        f"{torch.get_num_threads()} threads; median of {cfg['repeats']}"
+    )
+    print(shape)
+    base = statistics.median(times["teacher_forcing"])
+    print("| step (forward + backward) | median s | x teacher forcing |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        print(f"| {name} | {median:.3f} | {median / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
