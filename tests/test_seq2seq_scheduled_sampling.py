@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_seq2seq import MODELS, bart_lm, marian_mt, seq2seq_args, t5_lm
 from transformers import default_data_collator
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.seq2seq import ScheduledSampler, Seq2SeqTricksTrainer, scheduled_sampling_forward
 from nlp_tricks.seq2seq.scheduled_sampling import mix_decoder_inputs, replacement_mask
 from tiny import VOCAB, seq2seq_data, tricks_args
+from tiny_seq2seq import MODELS, bart_lm, marian_mt, seq2seq_args, t5_lm
 
 # ---- Schedules ----------------------------------------------------------------------------------------------------
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from tiny_seq2seq import bart_lm, bert2bert, seq2seq_args, t5_lm
 from transformers import AutoModelForSeq2SeqLM, EncoderDecoderModel, default_data_collator
 
 from nlp_tricks.seq2seq import Seq2SeqTricksTrainer, tie_encoder_decoder
 from tiny import bert_seq_cls, seq2seq_data
+from tiny_seq2seq import bart_lm, bert2bert, seq2seq_args, t5_lm
 
 
 def _untied_t5():
