@@ -1,5 +1,6 @@
 """nlp_tricks: competition-proven fine-tuning tricks for Hugging Face transformers."""
 
+from .adversarial import FGM, PGD  # --- Adversarial ---
 from .config import TricksArguments
 from .losses import FocalLoss, LabelSmoothingCrossEntropy, cross_entropy, focal_loss, label_smoothing_cross_entropy
 from .param_groups import build_param_groups
@@ -16,4 +17,7 @@ __all__ = [
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
     "build_param_groups",
+    # --- Adversarial ---
+    "FGM",
+    "PGD",
 ]
