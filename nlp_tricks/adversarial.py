@@ -55,6 +55,21 @@ def resolve_embedding_module(model: nn.Module, target: str | None = None) -> nn.
     raise ValueError(f"adv_target={target!r} is ambiguous in {type(model).__name__}; give one of {matches}")
 
 
+def _modules_sharing_weight(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """``module`` and the other embedding modules that look up the same weight (e.g. an encoder's and a decoder's
+    ``embed_tokens`` tied to ``shared``), whose outputs the weight-space recipe would perturb too. Output
+    projections tied to it (``lm_head``) are not embeddings and are left alone."""
+    weight = getattr(module, "weight", None)
+    found = [module]
+    if not isinstance(weight, nn.Parameter):
+        return found
+    for other in model.modules():
+        if other is not module and getattr(other, "weight", None) is weight:
+            if isinstance(other, nn.Embedding) or type(other) is type(module):
+                found.append(other)
+    return found
+
+
 @dataclass
 class _Call:
     """One call of the embedding module in a forward pass: where its positions sit in the flattened batch."""
@@ -187,6 +202,7 @@ class PGD:
             raise ValueError(f"norm={norm!r} is not allowed; choose one of {', '.join(map(repr, ADV_NORMS))}")
         self.model = model
         self.module = resolve_embedding_module(model, target)
+        self.modules = _modules_sharing_weight(model, self.module)
         self.epsilon = float(epsilon)
         self.alpha = float(alpha)
         self.steps = int(steps)
@@ -255,7 +271,7 @@ class PGD:
             backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
         scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
         no_sync = no_sync or contextlib.nullcontext
-        handle = self.module.register_forward_hook(self._hook)
+        handles = [module.register_forward_hook(self._hook) for module in self.modules]
         try:
             self._mode = "capture"
             with no_sync():
@@ -282,14 +298,18 @@ class PGD:
             backward(adv)
             return clean.detach(), adv.detach()
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             self._mode = None
             self._captured, self._delta, self._cursor = {}, {}, {}
 
     def _collect(self) -> _Space:
         """The clean gradients of the captured embedding outputs, flattened to ``(positions, hidden)`` float32."""
         if not self._captured:
-            raise RuntimeError(f"loss_fn did not call the attacked module ({type(self.module).__name__})")
+            raise RuntimeError(
+                f"loss_fn did not call the attacked module ({type(self.module).__name__}); name the embedding module "
+                "the forward uses with target= (adv_target)"
+            )
         weight = getattr(self.module, "weight", None)
         home = weight.device if torch.is_tensor(weight) else next(iter(self._captured))
         calls, ids, grads, start = [], [], [], 0
