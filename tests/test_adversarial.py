@@ -112,9 +112,18 @@ def output_space_reference(model, batch, epsilon, alpha, steps, norm):
 # ---- Equivalence ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_model,make_data", [(bert_token_cls, token_cls_data), (bert_seq_cls, seq_cls_data)])
-def test_fgm_global_equals_the_classic_weight_recipe(make_model, make_data):
+@pytest.mark.parametrize(
+    "make_model,make_data,attend_padding",
+    [
+        (bert_token_cls, token_cls_data, False),
+        (bert_seq_cls, seq_cls_data, False),
+        (bert_token_cls, token_cls_data, True),
+    ],
+)
+def test_fgm_global_equals_the_classic_weight_recipe(make_model, make_data, attend_padding):
     batch = _batch(make_data())  # padded with id 0, BERT's padding_idx: its weight row gets no gradient
+    if attend_padding:  # so the embedding output at the padding positions does get a gradient
+        batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
     base = make_model()
     ref = copy.deepcopy(base)
     classic_fgm(ref, lambda: ref(**batch).loss, ref.bert.embeddings.word_embeddings.weight, epsilon=1.0)
