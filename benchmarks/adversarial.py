@@ -21,6 +21,7 @@ at vocab 250,002 (XLM-R's) against 30,522 (BERT's), interleaved in one loop.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import resource
@@ -130,12 +131,22 @@ def _rss_bytes():
 
 
 def measure_memory(method, vocab, shape, batch, length):
-    """In a fresh process: peak RSS growth over 2 steps of `method`, after building the model and optimizer."""
+    """In a fresh process: peak RSS growth over 2 steps of `method`, after building the model and optimizer.
+
+    "activations" is one forward whose graph is kept: the memory a second pass adds while the first pass's
+    gradients are held.
+    """
+    # Serve every allocation above 64 KiB by mmap, so freed tensors leave the resident set at once and the peak
+    # reflects live memory rather than glibc's heap fragmentation.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     model, optimizer, inputs = build(vocab, shape, batch, length)
-    step = make_steps(model, optimizer, inputs)[method]
     before = _rss_bytes()
-    for _ in range(2):
-        step()
+    if method == "activations":
+        model(**inputs)  # the peak comes at the forward's end, with its whole graph alive
+    else:
+        step = make_steps(model, optimizer, inputs)[method]
+        for _ in range(2):
+            step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # Linux reports KiB
 
 
@@ -160,7 +171,7 @@ def main():
         shape, args.batch, args.length, args.vocab, args.large_vocab, args.repeats = TINY, 4, 16, 1000, 8000, 3
     torch.set_num_threads(args.threads)
     # Memory first, each method in a child forked while this process still holds no model.
-    methods = ["plain", "fgm", "pgd3", "classic fgm", "classic pgd3"]
+    methods = ["plain", "fgm", "pgd3", "classic fgm", "classic pgd3", "activations"]
     with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
         memory = {m: pool.apply(measure_memory, (m, args.vocab, shape, args.batch, args.length)) for m in methods}
 
@@ -199,8 +210,8 @@ def main():
         "fgm_x_plain": times["fgm"] / times["plain"],
         "fgm_x_classic_fgm": times["fgm"] / times["classic fgm"],
         "pgd3_x_classic_pgd3": times["pgd3"] / times["classic pgd3"],
-        "fgm_mem_x_plain": memory["fgm"] / memory["plain"],
-        "pgd3_mem_x_plain": memory["pgd3"] / memory["plain"],
+        "fgm_mem_x_plain_plus_activations": memory["fgm"] / (memory["plain"] + memory["activations"]),
+        "pgd3_mem_x_plain_plus_activations": memory["pgd3"] / (memory["plain"] + memory["activations"]),
         f"fgm_x_plain_vocab_{args.vocab}": ratio_small,
         f"fgm_x_plain_vocab_{args.large_vocab}": ratio_large,
         "vocab_ratio_change": ratio_large / ratio_small - 1,
@@ -226,6 +237,12 @@ def main():
         f"FGM / plain: {goals['fgm_x_plain']:.2f}x (goal <= 2.1); "
         f"FGM / classic FGM: {goals['fgm_x_classic_fgm']:.2f}x (goal <= 1); "
         f"PGD-3 / classic PGD-3: {goals['pgd3_x_classic_pgd3']:.2f}x (goal <= 0.9)"
+    )
+    plus = (memory["plain"] + memory["activations"]) / 2**20
+    print(
+        f"Peak memory: plain + one pass's activations = {plus:.0f} MB; FGM / that: "
+        f"{goals['fgm_mem_x_plain_plus_activations']:.3f}, PGD-3 / that: "
+        f"{goals['pgd3_mem_x_plain_plus_activations']:.3f} (goal <= 1.05)"
     )
     print(
         f"FGM / plain at vocab {args.vocab}: {ratio_small:.2f}x, at {args.large_vocab}: {ratio_large:.2f}x "

@@ -161,8 +161,10 @@ class PGD:
 
     The perturbation is added to the output of ``target`` (default ``model.get_input_embeddings()``) by a forward
     hook that exists only during :meth:`step`; the hook reads tensors computed before the forward, keyed by device,
-    so it is safe with ``nn.DataParallel`` replicas. A module called several times per forward (an embedding shared
-    by an encoder and a decoder) is perturbed at every call, as the weight would be.
+    so it is safe with ``nn.DataParallel`` replicas. Every embedding module that looks up the same weight (an
+    encoder's and a decoder's ``embed_tokens`` tied to ``shared``) is perturbed at each call, as the weight would be;
+    an output projection tied to it is not. "global" equals the weight-space recipe when the module's output is the
+    looked-up row itself (``nn.Embedding``); for scaled embeddings ``epsilon`` is measured on the scaled output.
 
     Args:
         model (`nn.Module`): the model (unwrapped: DDP / DataParallel wrappers go to ``loss_fn`` instead).
