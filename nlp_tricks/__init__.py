@@ -1,5 +1,6 @@
 """nlp_tricks: competition-proven fine-tuning tricks for Hugging Face transformers."""
 
+from .adversarial import FGM, PGD  # --- Adversarial ---
 from .checkpoint import load_state_dict_portable  # --- Checkpoints ---
 from .config import TricksArguments
 from .losses import FocalLoss, LabelSmoothingCrossEntropy, cross_entropy, focal_loss, label_smoothing_cross_entropy
@@ -19,4 +20,7 @@ __all__ = [
     "build_param_groups",
     # --- Checkpoints ---
     "load_state_dict_portable",
+    # --- Adversarial ---
+    "FGM",
+    "PGD",
 ]

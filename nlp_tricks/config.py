@@ -6,9 +6,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-__all__ = ["TricksArguments", "LOSS_TYPES"]
+from .adversarial import ADV_NORMS
+
+__all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
 LOSS_TYPES = ("ce", "focal", "label_smoothing")
+# --- Adversarial ---
+ADVERSARIAL_METHODS = ("none", "fgm", "pgd")
 
 
 def _choice(name: str, value, choices) -> None:
@@ -84,6 +88,38 @@ class TricksArguments(TrainingArguments):
         },
     )
 
+    # --- Adversarial ---
+    adversarial: str = field(
+        default="none",
+        metadata={
+            "help": "Adversarial training in embedding space: 'none', 'fgm' (Miyato et al. 2017, one step of norm "
+            "adv_epsilon; 2 forward/backward passes per batch) or 'pgd' (Madry et al. 2018, adv_steps steps of "
+            "adv_alpha inside the adv_epsilon ball; adv_steps + 1 passes). The update uses the sum of the clean and "
+            "the adversarial gradients; the logged `loss` is the clean loss, `loss_clean` / `loss_adv` both.",
+            "choices": list(ADVERSARIAL_METHODS),
+        },
+    )
+    adv_epsilon: float = field(
+        default=1.0, metadata={"help": "Adversarial perturbation norm (FGM) or ball radius (PGD), > 0."}
+    )
+    adv_alpha: float = field(default=0.3, metadata={"help": "PGD step size, > 0."})
+    adv_steps: int = field(default=3, metadata={"help": "PGD number of ascent steps K >= 1."})
+    adv_norm: str = field(
+        default="global",
+        metadata={
+            "help": "What the adversarial gradient is normalised over: 'global' (the whole batch; equals the classic "
+            "recipe that perturbs the word-embedding weight), 'example' (each sequence) or 'token' (each position).",
+            "choices": list(ADV_NORMS),
+        },
+    )
+    adv_target: str | None = field(
+        default=None,
+        metadata={
+            "help": "Module whose output is perturbed: its name or a unique name suffix (e.g. 'word_embeddings'). "
+            "Default: the module model.get_input_embeddings() returns."
+        },
+    )
+
     def __post_init__(self):
         # Mapped before the parent validates `warmup_steps`.
         if self.warmup_ratio is not None:
@@ -127,3 +163,20 @@ class TricksArguments(TrainingArguments):
             raise ValueError(f"head_lr_scale={self.head_lr_scale} is not allowed; it must be > 0")
         if not 0.0 < self.layer_decay <= 1.0:
             raise ValueError(f"layer_decay={self.layer_decay} is not allowed; it must be in (0, 1]")
+
+        # --- Adversarial ---
+        _choice("adversarial", self.adversarial, ADVERSARIAL_METHODS)
+        _choice("adv_norm", self.adv_norm, ADV_NORMS)
+        if not self.adv_epsilon > 0:
+            raise ValueError(f"adv_epsilon={self.adv_epsilon} is not allowed; it must be > 0")
+        if not self.adv_alpha > 0:
+            raise ValueError(f"adv_alpha={self.adv_alpha} is not allowed; it must be > 0")
+        if int(self.adv_steps) != self.adv_steps or self.adv_steps < 1:
+            raise ValueError(f"adv_steps={self.adv_steps} is not allowed; it must be an integer >= 1")
+        if self.adv_target is not None and not self.adv_target.strip():
+            raise ValueError("adv_target='' is not allowed; give a module name such as 'word_embeddings' or omit it")
+        if self.adversarial != "none" and getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):
+            raise ValueError(
+                f"adversarial={self.adversarial!r} needs several backward passes per step, but optim={self.optim!r} "
+                "updates the weights inside backward; choose another optimizer"
+            )

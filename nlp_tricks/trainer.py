@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 
 import torch
+from accelerate.utils import DistributedType
+from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_optimizer import is_optimizer_factory
 
+from .adversarial import FGM, PGD  # --- Adversarial ---
 from .checkpoint import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 from .config import TricksArguments
 from .losses import cross_entropy, distillation_loss, focal_loss, label_smoothing_cross_entropy
@@ -78,6 +82,10 @@ class TricksTrainer(Trainer):
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
         self.trick_state: dict[str, float] = {}
+        # --- Adversarial ---
+        self._adversary: FGM | PGD | None = None
+        if self.args.adversarial != "none":
+            self.trick_state.setdefault("adv_skipped", 0)
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -280,3 +288,88 @@ class TricksTrainer(Trainer):
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
+
+    # ---- Adversarial -----------------------------------------------------------------------------------------------
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Upstream's training step, with ``--adversarial fgm|pgd`` adding the adversarial passes.
+
+        With adversarial training the gradient is the sum of the clean and the adversarial gradients (each loss
+        normalised like the clean one, so accumulation stays exact), and the returned loss, hence the logged
+        ``loss``, is the CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over
+        the attacked micro-batches); ``adv_skipped`` counts the micro-batches whose attack was skipped because the
+        clean embedding gradient was 0, inf or NaN (fp16 overflow). Every backward but the step's last runs under
+        ``no_sync``: one all-reduce per optimizer step, as in plain training.
+        """
+        if self.args.adversarial == "none":
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError("adversarial training is not supported with DeepSpeed (its engine owns the backward)")
+
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        with cp_context():
+            model.train()
+            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+                self.optimizer.train()
+            inputs = self._prepare_inputs(inputs)
+            # As upstream: divide by the accumulation steps only if the loss was not normalised by the item count.
+            if self.loss_is_scaled_for_ga is not None:
+                scaled_for_ga = self.loss_is_scaled_for_ga
+            else:
+                scaled_for_ga = (
+                    self.model_accepts_loss_kwargs and num_items_in_batch is not None
+                ) or self.compute_loss_func is not None
+
+            def loss_fn() -> torch.Tensor:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+                if self.args.n_gpu > 1:
+                    loss = loss.mean()
+                if not scaled_for_ga:
+                    loss = loss / self.current_gradient_accumulation_steps
+                return loss
+
+            no_sync = (
+                functools.partial(self.accelerator.no_sync, model=model) if self.accelerator.use_distributed else None
+            )
+            clean, adv = self._get_adversary(model).step(
+                loss_fn, self.accelerator.backward, no_sync=no_sync, grad_scaler=self.accelerator.scaler
+            )
+            if (
+                self.args.torch_empty_cache_steps is not None
+                and self.state.global_step % self.args.torch_empty_cache_steps == 0
+            ):
+                clear_device_cache()
+
+        # Each micro-batch's loss is its share of the step's loss; times the micro-batch count, the mean over the
+        # step's micro-batches is the step's loss, comparable with the logged `loss`.
+        share = self.current_gradient_accumulation_steps
+        self.record_metric("loss_clean", clean * share)
+        if adv is None:
+            self.trick_state["adv_skipped"] = self.trick_state.get("adv_skipped", 0) + 1
+        else:
+            self.record_metric("loss_adv", adv * share)
+        return clean
+
+    def _get_adversary(self, model: nn.Module) -> FGM | PGD:
+        """The FGM / PGD attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self._adversary is None or self._adversary.model is not unwrapped:
+            args = self.args
+            if args.adversarial == "fgm":
+                self._adversary = FGM(unwrapped, epsilon=args.adv_epsilon, norm=args.adv_norm, target=args.adv_target)
+            else:
+                self._adversary = PGD(
+                    unwrapped,
+                    epsilon=args.adv_epsilon,
+                    alpha=args.adv_alpha,
+                    steps=args.adv_steps,
+                    norm=args.adv_norm,
+                    target=args.adv_target,
+                )
+        return self._adversary

@@ -1,0 +1,373 @@
+"""Adversarial training in embedding space: FGM and PGD on the output of the word-embedding module.
+
+The classic recipe perturbs the word-embedding *weight* by ``r = eps * g / ||g||`` (``g`` its gradient), runs the
+model again and restores the weight; the update uses the sum of the clean and the adversarial gradients. Here the
+perturbation is added to the embedding module's *output* through a forward hook instead:
+
+- nothing vocab-sized is copied: the weight-equivalent ("global") perturbation is a scatter over the batch's token
+  ids (the weight gradient's row for id ``v`` is the sum of the output gradients at the positions holding ``v``), so
+  its cost grows with the batch's tokens, not with the vocabulary;
+- the gradient comes from the embedding output of the current call only, never from ``weight.grad`` (which holds the
+  gradients accumulated over earlier micro-batches), and frozen embeddings (LoRA / PEFT) are attacked all the same;
+- with input and output embeddings tied, only the input side is perturbed;
+- no parameter gradient is backed up: PGD's intermediate passes take ``torch.autograd.grad`` with respect to the
+  perturbation only, which also skips every weight-gradient product.
+
+These classes know nothing of the Trainer; :class:`~nlp_tricks.TricksTrainer` wires them in with
+``--adversarial fgm|pgd``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["FGM", "PGD", "ADV_NORMS", "resolve_embedding_module"]
+
+ADV_NORMS = ("global", "example", "token")
+
+
+def resolve_embedding_module(model: nn.Module, target: str | None = None) -> nn.Module:
+    """The module whose output is perturbed: ``model.get_input_embeddings()``, or the module named ``target``.
+
+    ``target`` is a full module name (``bert.embeddings.word_embeddings``) or a unique suffix of one
+    (``word_embeddings``).
+    """
+    if target is None:
+        if not hasattr(model, "get_input_embeddings"):
+            raise ValueError(
+                f"{type(model).__name__} has no get_input_embeddings(); name the module to attack with target= "
+                "(adv_target), e.g. 'word_embeddings'"
+            )
+        return model.get_input_embeddings()
+    modules = dict(model.named_modules())
+    if target in modules:
+        return modules[target]
+    matches = [name for name in modules if name.endswith("." + target)]
+    if len(matches) == 1:
+        return modules[matches[0]]
+    if not matches:
+        raise ValueError(f"adv_target={target!r} names no module of {type(model).__name__}")
+    raise ValueError(f"adv_target={target!r} is ambiguous in {type(model).__name__}; give one of {matches}")
+
+
+def _modules_sharing_weight(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """``module`` and the other embedding modules that look up the same weight (e.g. an encoder's and a decoder's
+    ``embed_tokens`` tied to ``shared``), whose outputs the weight-space recipe would perturb too. Output
+    projections tied to it (``lm_head``) are not embeddings and are left alone."""
+    weight = getattr(module, "weight", None)
+    found = [module]
+    if not isinstance(weight, nn.Parameter):
+        return found
+    for other in model.modules():
+        if other is not module and getattr(other, "weight", None) is weight:
+            if isinstance(other, nn.Embedding) or type(other) is type(module):
+                found.append(other)
+    return found
+
+
+@dataclass
+class _Call:
+    """One call of the embedding module in a forward pass: where its positions sit in the flattened batch."""
+
+    device: torch.device
+    dtype: torch.dtype
+    shape: torch.Size
+    start: int
+    end: int
+
+
+class _Space:
+    """The perturbation's coordinates for one batch and the maps between them and the embedding outputs.
+
+    A perturbation ``P`` has shape ``(rows, hidden)``. For the "global" norm on an id lookup the rows are the batch's
+    distinct token ids (the rows of the weight the batch uses): a position's perturbation is its id's row. Otherwise
+    a row is a position. ``group`` assigns rows to the sets normalised together (all, one per example, one per row).
+    """
+
+    def __init__(self, calls, ids, grads, padding_idx, norm):
+        self.calls = calls
+        self.norm = norm
+        self.keep = None
+        if ids is not None and padding_idx is not None:
+            # The weight's padding row never receives a gradient, so the classic recipe never perturbs it.
+            self.keep = (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
+        self.inverse = None
+        if norm == "global" and ids is not None:
+            unique, self.inverse = torch.unique(ids, return_inverse=True)
+            self.rows = unique.numel()
+        else:
+            self.rows = grads.shape[0]
+        device = grads.device
+        if norm == "global":
+            self.group = torch.zeros(self.rows, dtype=torch.long, device=device)
+        elif norm == "token":
+            self.group = torch.arange(self.rows, device=device)
+        else:
+            groups, offset = [], 0
+            for call in calls:
+                n = call.end - call.start
+                examples = call.shape[0] if len(call.shape) >= 3 else n
+                groups.append(offset + torch.arange(n, device=device) // (n // examples))
+                offset += examples
+            self.group = torch.cat(groups)
+        self.clean_grad = self.to_rows(grads)
+
+    def to_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Gradients at the positions -> gradient of the rows (a sum over the positions sharing an id)."""
+        if self.keep is not None:
+            positions = positions * self.keep
+        if self.inverse is None:
+            return positions
+        rows = positions.new_zeros(self.rows, positions.shape[-1])
+        return rows.index_add_(0, self.inverse, positions)
+
+    def to_outputs(self, rows: torch.Tensor) -> dict[torch.device, list[torch.Tensor]]:
+        """A perturbation of the rows -> the tensor to add to each embedding call's output, by device."""
+        positions = rows if self.inverse is None else rows[self.inverse]
+        if self.keep is not None:
+            positions = positions * self.keep
+        out: dict[torch.device, list[torch.Tensor]] = {}
+        for call in self.calls:
+            r = positions[call.start : call.end].reshape(call.shape).to(device=call.device, dtype=call.dtype)
+            out.setdefault(call.device, []).append(r)
+        return out
+
+    def row_norms(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L2 norm of each row's group (broadcast to the rows) and the norm of everything."""
+        squares = rows.pow(2).sum(-1)
+        total = squares.sum().sqrt()
+        if self.norm == "global":
+            return total.expand(self.rows), total
+        if self.norm == "token":
+            return squares.sqrt(), total
+        per_group = squares.new_zeros(int(self.group[-1]) + 1).index_add_(0, self.group, squares)
+        return per_group.sqrt()[self.group], total
+
+
+class PGD:
+    """Projected gradient descent in embedding space: K ascent steps of size ``alpha`` inside an ``epsilon`` ball.
+
+    Madry et al. 2018, https://arxiv.org/abs/1706.06083 (for BERT fine-tuning, Zhu et al. 2020,
+    https://arxiv.org/abs/1909.11764). With ``norm="global"`` an update equals the classic recipe that perturbs the
+    word-embedding weight (for untied embeddings): step ``k`` adds ``alpha * g_k / ||g_k||`` to the perturbation and
+    projects it back onto the ball, ``g_0`` being the clean gradient; the parameters' gradient is the clean one plus
+    the one of the last, adversarial pass. Passes: ``steps + 1`` forwards and backwards; the ``steps - 1``
+    intermediate backwards compute only the gradient with respect to the perturbation.
+
+    The perturbation is added to the output of ``target`` (default ``model.get_input_embeddings()``) by a forward
+    hook that exists only during :meth:`step`; the hook reads tensors computed before the forward, keyed by device,
+    so it is safe with ``nn.DataParallel`` replicas. Every embedding module that looks up the same weight (an
+    encoder's and a decoder's ``embed_tokens`` tied to ``shared``) is perturbed at each call, as the weight would be;
+    an output projection tied to it is not. "global" equals the weight-space recipe when the module's output is the
+    looked-up row itself (``nn.Embedding``); for scaled embeddings ``epsilon`` is measured on the scaled output.
+
+    Args:
+        model (`nn.Module`): the model (unwrapped: DDP / DataParallel wrappers go to ``loss_fn`` instead).
+        epsilon (`float`, defaults to 1.0): radius of the ball the perturbation is projected onto.
+        alpha (`float`, defaults to 0.3): size of one ascent step.
+        steps (`int`, defaults to 3): number of ascent steps K.
+        norm (`str`, defaults to "global"): the set each step is normalised over: "global" (the whole batch, as
+            the weight-space recipe), "example" (each sequence, Miyato et al. 2017) or "token" (each position).
+        target (`str`, *optional*): the name (or unique name suffix) of the module to attack, e.g.
+            ``"word_embeddings"``.
+
+    Example::
+
+        pgd = PGD(model, epsilon=1.0, alpha=0.3, steps=3)
+        for batch in loader:
+            clean_loss, adv_loss = pgd.step(lambda: model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        epsilon: float = 1.0,
+        alpha: float = 0.3,
+        steps: int = 3,
+        norm: str = "global",
+        target: str | None = None,
+    ):
+        if not epsilon > 0:
+            raise ValueError(f"epsilon={epsilon} is not allowed; it must be > 0")
+        if not alpha > 0:
+            raise ValueError(f"alpha={alpha} is not allowed; it must be > 0")
+        if int(steps) != steps or steps < 1:
+            raise ValueError(f"steps={steps} is not allowed; it must be an integer >= 1")
+        if norm not in ADV_NORMS:
+            raise ValueError(f"norm={norm!r} is not allowed; choose one of {', '.join(map(repr, ADV_NORMS))}")
+        self.model = model
+        self.module = resolve_embedding_module(model, target)
+        self.modules = _modules_sharing_weight(model, self.module)
+        self.epsilon = float(epsilon)
+        self.alpha = float(alpha)
+        self.steps = int(steps)
+        self.norm = norm
+        self._mode: str | None = None
+        # Written by the hook, one key per device: each DataParallel replica thread only touches its own entry.
+        self._captured: dict[torch.device, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
+        self._cursor: dict[torch.device, int] = {}
+        # Read by the hook; computed on the calling thread before each forward.
+        self._delta: dict[torch.device, list[torch.Tensor]] = {}
+
+    # ---- The hook --------------------------------------------------------------------------------------------------
+
+    def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor):
+        if self._mode == "capture":
+            if output.requires_grad:
+                output.retain_grad()
+            else:  # frozen embedding: its output is a leaf, so it can be asked for a gradient directly
+                output.requires_grad_()
+            ids = args[0] if args and torch.is_tensor(args[0]) else None
+            if ids is not None and (ids.is_floating_point() or ids.shape != output.shape[:-1]):
+                ids = None
+            self._captured.setdefault(output.device, []).append((ids, output))
+            return None
+        if self._mode == "perturb":
+            k = self._cursor.get(output.device, 0)
+            self._cursor[output.device] = k + 1
+            deltas = self._delta.get(output.device, [])
+            if k >= len(deltas) or deltas[k].shape != output.shape:
+                raise RuntimeError(
+                    "the embedding module was called differently in the adversarial pass than in the clean pass; "
+                    "loss_fn must run the same forward each time"
+                )
+            return output + deltas[k]
+        return None
+
+    # ---- One training step -----------------------------------------------------------------------------------------
+
+    def step(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        backward: Callable[[torch.Tensor], None] | None = None,
+        *,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the clean and the adversarial passes, accumulating both gradients into the parameters' ``.grad``.
+
+        Args:
+            loss_fn: runs the model's forward on the batch and returns the scalar loss; called once per pass.
+            backward: backpropagates a loss into the parameters (default ``loss.backward()``, scaled by
+                ``grad_scaler`` if given). Pass ``accelerator.backward`` under Accelerate.
+            no_sync: returns a context in which a backward does not all-reduce (``model.no_sync`` for DDP,
+                ``functools.partial(accelerator.no_sync, model)``). Every pass but the last runs inside it, so a
+                step costs one all-reduce, as plain training. With it, a skipped attack still runs one zero-weight
+                pass outside it, so that all processes all-reduce the same number of times.
+            grad_scaler: fp16 ``GradScaler``; scales the losses of PGD's gradient-only passes (the scale cancels in
+                the direction) and, without ``backward``, the backward.
+
+        Returns:
+            ``(clean_loss, adv_loss)``, detached. ``adv_loss`` is ``None`` when the attack was skipped because the
+            clean gradient of the embedding output was 0, inf or NaN (e.g. an fp16 overflow step, which the scaler
+            skips anyway); then only the clean gradient was accumulated.
+        """
+        if backward is None:
+            backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
+        scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
+        no_sync = no_sync or contextlib.nullcontext
+        handles = [module.register_forward_hook(self._hook) for module in self.modules]
+        try:
+            self._mode = "capture"
+            with no_sync():
+                clean = loss_fn()
+                backward(clean)
+            space = self._collect()
+            self._mode = None
+
+            delta, ok = self._ascend(space, torch.zeros_like(space.clean_grad), space.clean_grad)
+            if not ok:
+                if no_sync is not contextlib.nullcontext:
+                    backward(loss_fn() * 0.0)
+                return clean.detach(), None
+            for _ in range(self.steps - 1):
+                leaf = delta.requires_grad_()
+                self._perturb(space, leaf)
+                with no_sync():
+                    (grad,) = torch.autograd.grad(scale(loss_fn()), leaf)
+                delta, ok = self._ascend(space, delta.detach(), grad)
+                if not ok:  # no ascent direction: the classic recipe would rerun the same pass; stop here
+                    break
+            self._perturb(space, delta)
+            adv = loss_fn()
+            backward(adv)
+            return clean.detach(), adv.detach()
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._mode = None
+            self._captured, self._delta, self._cursor = {}, {}, {}
+
+    def _collect(self) -> _Space:
+        """The clean gradients of the captured embedding outputs, flattened to ``(positions, hidden)`` float32."""
+        if not self._captured:
+            raise RuntimeError(
+                f"loss_fn did not call the attacked module ({type(self.module).__name__}); name the embedding module "
+                "the forward uses with target= (adv_target)"
+            )
+        weight = getattr(self.module, "weight", None)
+        home = weight.device if torch.is_tensor(weight) else next(iter(self._captured))
+        calls, ids, grads, start = [], [], [], 0
+        for device in sorted(self._captured, key=str):
+            for call_ids, output in self._captured[device]:
+                hidden = output.shape[-1]
+                n = output.numel() // hidden
+                grad = output.grad if output.grad is not None else torch.zeros_like(output)
+                grads.append(grad.reshape(n, hidden).to(device=home, dtype=torch.float32))
+                ids.append(None if call_ids is None else call_ids.reshape(n).to(home))
+                calls.append(_Call(device, output.dtype, output.shape, start, start + n))
+                start += n
+        all_ids = None if any(i is None for i in ids) else torch.cat(ids)
+        padding_idx = getattr(self.module, "padding_idx", None)
+        return _Space(calls, all_ids, torch.cat(grads), padding_idx, self.norm)
+
+    def _ascend(self, space: _Space, delta: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``delta + alpha * grad / ||grad||`` projected onto the ball; False when the norm is 0, inf or NaN."""
+        grad = grad.float()
+        norms, total = space.row_norms(grad)
+        if not (torch.isfinite(total) and total > 0):
+            return delta, False
+        delta = delta + grad * torch.where(norms > 0, self.alpha / norms, 0.0).unsqueeze(-1)
+        if self.steps > 1 or self.alpha > self.epsilon:
+            norms, _ = space.row_norms(delta)
+            delta = delta * torch.where(norms > self.epsilon, self.epsilon / norms, 1.0).unsqueeze(-1)
+        return delta, True
+
+    def _perturb(self, space: _Space, delta: torch.Tensor) -> None:
+        """Arm the hook to add ``delta`` (mapped to each call's output) in the next forward."""
+        self._delta = space.to_outputs(delta)
+        self._cursor = {}
+        self._mode = "perturb"
+
+
+class FGM(PGD):
+    """Fast gradient method in embedding space: one step ``r = epsilon * g / ||g||`` from the clean gradient.
+
+    Miyato et al. 2017, https://arxiv.org/abs/1605.07725 (and Goodfellow et al. 2015,
+    https://arxiv.org/abs/1412.6572). With ``norm="global"`` the update equals the classic recipe that perturbs the
+    word-embedding weight (for untied embeddings). Two forwards and backwards per step. See :class:`PGD` for
+    :meth:`~PGD.step` and the hook.
+
+    Args:
+        model (`nn.Module`): the model (unwrapped).
+        epsilon (`float`, defaults to 1.0): the perturbation's norm.
+        norm (`str`, defaults to "global"): "global", "example" or "token" (see :class:`PGD`).
+        target (`str`, *optional*): the name (or unique name suffix) of the module to attack.
+
+    Example::
+
+        fgm = FGM(model, epsilon=1.0)
+        clean_loss, adv_loss = fgm.step(lambda: model(**batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, epsilon: float = 1.0, norm: str = "global", target: str | None = None):
+        super().__init__(model, epsilon=epsilon, alpha=epsilon, steps=1, norm=norm, target=target)

@@ -1,0 +1,86 @@
+"""Adversarial training under 2-process DDP: count the gradient all-reduces, save each rank's weights.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/scripts/adversarial_ddp.py OUT_DIR
+
+Runs a few optimizer steps of a tiny BERT per setting (plain, FGM, PGD with accumulation; one exactness step) and
+writes, per setting and rank, ``{name}_rank{r}.safetensors`` (the weights) and ``{name}_rank{r}.json`` (all-reduce
+count, optimizer steps, skipped attacks). tests/test_adversarial_ddp.py launches it and checks the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
+
+from nlp_tricks import TricksTrainer  # noqa: E402
+from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+
+SETTINGS = {
+    "plain": dict(max_steps=3, adversarial="none"),
+    "fgm": dict(max_steps=3, adversarial="fgm"),
+    "pgd": dict(max_steps=3, adversarial="pgd", adv_steps=3, adv_alpha=0.6),
+    # One step over all 8 examples; per-example norms make it equal to one single-process batch of 8.
+    "example": dict(max_steps=1, adversarial="pgd", adv_norm="example", adv_steps=2, adv_epsilon=0.5),
+}
+
+
+class CountingTrainer(TricksTrainer):
+    """Counts the DDP gradient all-reduces (one comm-hook call per bucket) with a comm hook."""
+
+    allreduces = 0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if isinstance(model, DistributedDataParallel) and not getattr(model, "_counted", False):
+
+            def counting_allreduce(state, bucket):
+                self.allreduces += 1
+                return default_hooks.allreduce_hook(None, bucket)
+
+            model.register_comm_hook(None, counting_allreduce)
+            model._counted = True
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    for name, setting in SETTINGS.items():
+        args = tricks_args(
+            out / name,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            optim="sgd",
+            learning_rate=0.5,
+            weight_decay=0.0,
+            logging_steps=1,
+            **setting,
+        )
+        data = token_cls_data(n=8 * setting["max_steps"])
+        trainer = CountingTrainer(model=bert_token_cls(), args=args, train_dataset=data)
+        trainer.train()
+        assert trainer.accelerator.num_processes == 2, "launch with --num_processes 2"
+        rank = trainer.accelerator.process_index
+        weights = {k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+        save_file(weights, str(out / f"{name}_rank{rank}.safetensors"))
+        report = {
+            "allreduces": trainer.allreduces,
+            "steps": trainer.state.global_step,
+            "adv_skipped": trainer.trick_state.get("adv_skipped"),
+            "logged": [e for e in trainer.state.log_history if "loss" in e],
+            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        }
+        (out / f"{name}_rank{rank}.json").write_text(json.dumps(report))
+        trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
