@@ -35,7 +35,12 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset
-from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, set_seed
+from transformers import (
+    AutoModelForTokenClassification,
+    DataCollatorForTokenClassification,
+    IntervalStrategy,
+    set_seed,
+)
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import check_labels, demo_ner, label_list, read_ner_file, split_examples
@@ -52,7 +57,7 @@ from nlp_tricks.recipe_utils import (
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
     "learning_rate": 1.5e-4,
-    "num_train_epochs": 3,
+    "num_train_epochs": 2,
     "per_device_train_batch_size": 16,
     "per_device_eval_batch_size": 64,
     "weight_decay": 0.01,
@@ -199,7 +204,9 @@ def main() -> None:
         if split in splits:
             check_labels(splits[split][0], "ner_tags", labels, splits[split][1])
     eval_examples = {
-        split: splits[split][0][: data_args.max_eval_samples] for split in ("validation", "test") if split in splits
+        split: splits[split][0][: data_args.max_eval_samples]
+        for split in ("validation", "test")
+        if splits.get(split, ([],))[0]
     }
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
@@ -239,6 +246,8 @@ def main() -> None:
         scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
         return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
 
+    if "validation" not in eval_datasets:
+        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
     trainer = TricksTrainer(
         model=model,
         args=training_args,
