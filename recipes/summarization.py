@@ -31,6 +31,7 @@ Features:
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,7 +167,7 @@ def load_model_and_tokenizer(model_args: ModelArguments):
         # Any checkpoint, any device, strict, with clear errors (nlp_tricks.checkpoint).
         from nlp_tricks.checkpoint import load_state_dict_portable
 
-        model = EncoderDecoderModel(EncoderDecoderConfig.from_encoder_decoder_configs(config, config))
+        model = EncoderDecoderModel(EncoderDecoderConfig.from_encoder_decoder_configs(config, copy.deepcopy(config)))
         load_state_dict_portable(model, path)
     else:
         model = EncoderDecoderModel.from_encoder_decoder_pretrained(source, source)
