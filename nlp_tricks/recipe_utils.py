@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from .data import DataError, demo_model_path
@@ -45,6 +46,10 @@ def parse_recipe_args(
     """
     argv = sys.argv[1:] if argv is None else argv
     defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", **(defaults or {})}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
+        # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
+        defaults.setdefault("use_cpu", True)
     parser = HfArgumentParser(dataclass_types)
     parser.prog = f"{recipe}.py"
     try:
