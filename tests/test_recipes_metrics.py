@@ -1,0 +1,97 @@
+"""The recipes' pieces in process: sub-token label alignment and the shipped `evaluate` metric modules (offline)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import evaluate
+import pytest
+
+from nlp_tricks.metrics import METRICS, load_metric, metric_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    vocab = {t: i for i, t in enumerate(specials + "john lives in new - york .".split())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # splits "New-York" into 3 sub-tokens of one word
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+def test_ner_labels_on_first_sub_token(word_tokenizer):
+    ner = load_recipe("ner")
+    label2id = {"B-LOC": 0, "B-PER": 1, "I-LOC": 2, "O": 3}
+    examples = [{"tokens": ["John", "lives", "in", "New-York", "."], "ner_tags": ["B-PER", "O", "O", "B-LOC", "O"]}]
+    # Sub-tokens: [CLS] john lives in new - york . [SEP]
+    first_only = ner.tokenize(examples, word_tokenizer, label2id, 64, label_all_tokens=False)
+    assert first_only["labels"] == [[-100, 1, 3, 3, 0, -100, -100, 3, -100]]
+    every = ner.tokenize(examples, word_tokenizer, label2id, 64, label_all_tokens=True)
+    assert every["labels"] == [[-100, 1, 3, 3, 0, 2, 2, 3, -100]]  # continuation of B-LOC is I-LOC
+    truncated = ner.tokenize(examples, word_tokenizer, label2id, 6, label_all_tokens=False)
+    assert truncated["labels"] == [[-100, 1, 3, 3, 0, -100]]
+
+
+def test_metric_modules_are_local_files():
+    for name in METRICS:
+        path = Path(metric_path(name))
+        assert (path / f"{name}.py").is_file()
+    with pytest.raises(ValueError, match="choose one of"):
+        metric_path("bleu")
+
+
+def test_seqeval_entity_scores_by_hand():
+    metric = load_metric("seqeval_f1")
+    references = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O"]]
+    predictions = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG", "O"]]
+    scores = metric.compute(predictions=predictions, references=references)
+    # Entities: gold {PER(0-1), LOC(3), ORG(s2)}; predicted {PER(0-1), ORG(3), ORG(s2)}: 2 of 3 right both ways.
+    assert scores["precision"] == pytest.approx(2 / 3)
+    assert scores["recall"] == pytest.approx(2 / 3)
+    assert scores["f1"] == pytest.approx(2 / 3)
+    assert scores["accuracy"] == pytest.approx(5 / 6)
+    assert scores["LOC"]["recall"] == 0.0 and scores["ORG"]["precision"] == pytest.approx(1 / 2)
+    # A wrong boundary is a wrong entity: B-PER I-PER vs B-PER O.
+    scores = metric.compute(predictions=[["B-PER", "O"]], references=[["B-PER", "I-PER"]])
+    assert scores["f1"] == 0.0
+
+
+def test_rouge_by_hand():
+    metric = evaluate.load(metric_path("rouge"), keep_in_memory=True)
+    scores = metric.compute(
+        predictions=["the cat sat", "a b c d"], references=["the cat sat on the mat", "a b x d"], use_stemmer=False
+    )
+    # 1: unigrams P 3/3 R 3/6 -> F 2/3; bigrams P 2/2 R 2/5 -> 4/7; LCS 3 -> 2/3.
+    # 2: unigrams 3/4 both -> 3/4; bigrams {ab} 1/3 both -> 1/3; LCS "a b d" 3 -> 3/4.
+    assert scores["rouge1"] == pytest.approx((2 / 3 + 3 / 4) / 2)
+    assert scores["rouge2"] == pytest.approx((4 / 7 + 1 / 3) / 2)
+    assert scores["rougeL"] == pytest.approx((2 / 3 + 3 / 4) / 2)
+
+
+def test_accuracy_macro_f1_by_hand():
+    metric = load_metric("accuracy_f1")
+    scores = metric.compute(predictions=[0, 0, 1, 2], references=[0, 1, 1, 1], labels=[0, 1, 2])
+    # class 0: P 1/2 R 1 F 2/3; class 1: P 1 R 1/3 F 1/2; class 2: P 0 R 0 F 0 -> macro (2/3 + 1/2) / 3.
+    assert scores["accuracy"] == pytest.approx(2 / 4)
+    assert scores["f1"] == pytest.approx((2 / 3 + 1 / 2 + 0) / 3)
