@@ -37,7 +37,7 @@ CONFIGURATIONS = {
 }
 SEQ2SEQ_CONFIGURATIONS = {
     "scheduled_sampling": ["--scheduled_sampling", "inverse_sigmoid", "--ss_k", "20"],
-    "untied": ["--tie_encoder_decoder", "none"],
+    "untied": ["--bert2bert_tying", "none"],
 }
 # recipe -> the metric the table reports (all_results.json holds eval_<metric> and test_<metric>)
 MAIN_METRIC = {"ner": "f1", "classification": "f1", "summarization": "rougeL"}

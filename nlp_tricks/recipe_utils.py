@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
+from .checkpoint import load_state_dict_portable
 from .data import DataError, demo_model_path
 
 __all__ = [
@@ -113,13 +114,18 @@ def load_config_and_tokenizer(
 def load_weights(auto_cls, model_name_or_path: str, config, trust_remote_code: bool = False):
     """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights."""
     if _is_state_dict_file(model_name_or_path):
-        # Any checkpoint, any device, strict, with clear errors (nlp_tricks.checkpoint).
-        from .checkpoint import load_state_dict_portable
-
+        # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
         load_state_dict_portable(model, model_name_or_path)
         return model
     return auto_cls.from_pretrained(model_name_or_path, config=config, trust_remote_code=trust_remote_code)
+
+
+def resume_argument(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint``: ``true`` means the newest complete checkpoint in output_dir, else a path."""
+    if value is not None and value.strip().lower() in ("true", "yes", "1"):
+        return True
+    return value or None
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:

@@ -42,6 +42,7 @@ from nlp_tricks.recipe_utils import (
     load_weights,
     parse_recipe_args,
     resolve_model_path,
+    resume_argument,
     run_recipe,
     write_json_atomic,
 )
@@ -224,7 +225,7 @@ def main() -> None:
 
     # ---- Train, evaluate, predict ----
     results = {}
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     trainer.save_model()
     trainer.save_state()
     results.update(train_result.metrics)

@@ -49,16 +49,18 @@ from transformers import (
     set_seed,
 )
 
+from nlp_tricks.checkpoint import load_state_dict_portable
 from nlp_tricks.data import demo_summarization, read_table_file, split_examples
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.recipe_utils import (
     STATE_DICT_SUFFIXES,
     parse_recipe_args,
     resolve_model_path,
+    resume_argument,
     run_recipe,
     write_json_atomic,
 )
-from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer
+from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
 # Tuned on the demo (ACLSum + BERT2BERT MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -126,6 +128,16 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
     )
+    bert2bert_tying: str = field(
+        default="all",
+        metadata={
+            "help": "Weight tying of the BERT2BERT model this recipe builds from an encoder-only checkpoint: 'all' "
+            "shares the embeddings and every encoder/decoder layer weight of the same name and shape (Rothe et al. "
+            "2020's shared BERT2BERT; the decoder keeps its cross-attention), 'embeddings' only the embeddings, "
+            "'none' nothing. Encoder-decoder checkpoints (BART, T5) use --tie_encoder_decoder.",
+            "choices": ["none", "embeddings", "all"],
+        },
+    )
 
 
 def load_splits(data: DataArguments) -> dict[str, list[dict]]:
@@ -164,9 +176,7 @@ def load_model_and_tokenizer(model_args: ModelArguments):
     if config.is_encoder_decoder:
         return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
     if state_dict_file:
-        # Any checkpoint, any device, strict, with clear errors (nlp_tricks.checkpoint).
-        from nlp_tricks.checkpoint import load_state_dict_portable
-
+        # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = EncoderDecoderModel(EncoderDecoderConfig.from_encoder_decoder_configs(config, copy.deepcopy(config)))
         load_state_dict_portable(model, path)
     else:
@@ -178,8 +188,8 @@ def load_model_and_tokenizer(model_args: ModelArguments):
         cfg.eos_token_id = tokenizer.sep_token_id
         cfg.pad_token_id = tokenizer.pad_token_id
     model.config.vocab_size = model.config.decoder.vocab_size
-    # --- Tying (Seq2seq issue) ---
-    # The lead wires here: tie_encoder_decoder(model, "all")  (nlp_tricks.seq2seq), sharing encoder and decoder.
+    if model_args.bert2bert_tying != "none":
+        tie_encoder_decoder(model, model_args.bert2bert_tying)
     return model, tokenizer
 
 
@@ -238,7 +248,7 @@ def main() -> None:
 
     # ---- Train, evaluate, predict ----
     results = {}
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_result = trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     trainer.save_model()
     trainer.save_state()
     results.update(train_result.metrics)
