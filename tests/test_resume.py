@@ -17,7 +17,7 @@ from scripts import resume_run
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
-from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, tricks_args
+from tiny import bert_seq_cls, seq_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
@@ -43,6 +43,16 @@ CRASH_CASES = {
             "gradient_accumulation_steps": 2,
             "per_device_train_batch_size": 2,
         },
+        lambda ckpt: _truncate(ckpt / "model.safetensors"),
+        "model.safetensors is truncated",
+    ),
+    "pgd_focal": (
+        {"adversarial": "pgd", "adv_steps": 2, "loss_type": "focal"},
+        lambda ckpt: _truncate(ckpt / "optimizer.pt"),
+        "optimizer.pt is truncated",
+    ),
+    "scheduled_sampling_fgm": (
+        {"scheduled_sampling": "linear", "ss_k": 16, "ss_mode": "sample", "adversarial": "fgm"},
         lambda ckpt: _truncate(ckpt / "model.safetensors"),
         "model.safetensors is truncated",
     ),
@@ -76,16 +86,20 @@ def _killed_in_child(fn) -> int:
 
 def _assert_same_result(reference: Path, resumed: Path, config: dict) -> None:
     want, got = load_file(reference / "final.safetensors"), load_file(resumed / "final.safetensors")
-    initial = bert_token_cls(hidden_dropout_prob=0.1).state_dict()
+    model = resume_run.make_model(config)
+    initial, parameters = model.state_dict(), {n for n, _ in model.named_parameters()}
     assert set(got) == set(want)
     for name in want:
-        assert not torch.equal(want[name], initial[name]), f"{name} did not train"
+        if name in parameters:  # buffers (BART's final_logits_bias) do not train
+            assert not torch.equal(want[name], initial[name]), f"{name} did not train"
         # Same kernels in the same order on one thread: any difference is float32 round-off at most.
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
     trick_state = json.loads((resumed / "final_trick_state.json").read_text())
     assert trick_state == json.loads((reference / "final_trick_state.json").read_text())
-    # One loss call per micro-batch: the counter covers the killed part and the resumed part.
-    assert trick_state["loss_calls"] == resume_run.MAX_STEPS * config.get("gradient_accumulation_steps", 1)
+    # One loss call per forward pass (adversarial: 2 for FGM, K + 1 for PGD): the counter covers the killed part and
+    # the resumed part.
+    passes = {"none": 1, "fgm": 2, "pgd": config.get("adv_steps", 3) + 1}[config.get("adversarial", "none")]
+    assert trick_state["loss_calls"] == resume_run.MAX_STEPS * config.get("gradient_accumulation_steps", 1) * passes
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

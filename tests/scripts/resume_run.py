@@ -21,7 +21,9 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from nlp_tricks import TricksTrainer  # noqa: E402
-from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+from nlp_tricks.seq2seq import Seq2SeqTricksTrainer  # noqa: E402
+from tiny import bart_lm, bert_token_cls, seq2seq_data, token_cls_data, tricks_args  # noqa: E402
+from tiny_seq2seq import seq2seq_args  # noqa: E402
 
 # The schedule the test relies on: 12 examples / batch 4 = 3 steps per epoch, a checkpoint every 2 steps.
 MAX_STEPS, SAVE_STEPS = 8, 2
@@ -34,6 +36,19 @@ class CountingTrainer(TricksTrainer):
         self.trick_state["loss_calls"] = self.trick_state.get("loss_calls", 0) + 1
         self.trick_state["labels_seen"] = self.trick_state.get("labels_seen", 0) + int(labels.ne(-100).sum())
         return super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+
+
+class CountingSeq2SeqTrainer(CountingTrainer, Seq2SeqTricksTrainer):
+    """The same counters on the seq2seq trainer (scheduled sampling)."""
+
+
+def is_seq2seq(config: dict) -> bool:
+    return "scheduled_sampling" in config
+
+
+def make_model(config: dict):
+    """The tiny model a config trains, with dropout on (so a resumed run also needs the RNG state back)."""
+    return bart_lm(dropout=0.1) if is_seq2seq(config) else bert_token_cls(hidden_dropout_prob=0.1)
 
 
 class KillAfterSave(TrainerCallback):
@@ -53,15 +68,17 @@ class ReportStart(TrainerCallback):
 
 
 def run(out, config, kill_after_save=None, resume=False, max_steps=MAX_STEPS):
-    # Dropout on, so the resumed run also needs the RNG state back.
-    model = bert_token_cls(hidden_dropout_prob=0.1)
-    args = tricks_args(
-        out, max_steps=max_steps, save_strategy="steps", save_steps=SAVE_STEPS, logging_steps=1, **config
-    )
+    model = make_model(config)
+    kwargs = dict(max_steps=max_steps, save_strategy="steps", save_steps=SAVE_STEPS, logging_steps=1, **config)
     callbacks = [ReportStart()] + ([KillAfterSave(kill_after_save)] if kill_after_save else [])
-    trainer = CountingTrainer(model=model, args=args, train_dataset=token_cls_data(n=12), callbacks=callbacks)
+    if is_seq2seq(config):
+        args, trainer_cls, data = seq2seq_args(out, **kwargs), CountingSeq2SeqTrainer, seq2seq_data(n=12)
+    else:
+        args, trainer_cls, data = tricks_args(out, **kwargs), CountingTrainer, token_cls_data(n=12)
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=True if resume else None)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
+    # Cloned: tied weights (BART) share storage, which safetensors refuses to write twice.
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
     with open(os.path.join(out, "final_trick_state.json"), "w") as f:
         json.dump(trainer.trick_state, f)
 
