@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.extend(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    print(f"Machine: {machine_label()}{' (--quick shapes)' if args.quick else ''}\n")
+    quick = " (--quick: tiny shapes, a smoke test; the ratios are overhead-dominated, not representative)"
+    print(f"Machine: {machine_label()}{quick if args.quick else ''}\n")
     print("| benchmark | case | baseline | time / baseline | median ms |")
     print("|---|---|---|---|---|")
     for r in rows:

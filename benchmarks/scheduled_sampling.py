@@ -19,6 +19,7 @@ Time: the median over interleaved repeats (the machine's noise hits every varian
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -103,6 +104,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny BART, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (for benchmarks/run_all.py)")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats:
@@ -123,8 +125,16 @@ def main():
         f"{cfg['batch']}, source {cfg['source']}, target {cfg['target']}; ratio {RATIO}; "
         f"{torch.get_num_threads()} threads; median of {cfg['repeats']}"
     )
-    print(shape)
     base = statistics.median(times["teacher_forcing"])
+    if args.json:
+        rows = [
+            {"benchmark": "scheduled_sampling", "case": name, "baseline": "teacher_forcing",
+             "ratio": statistics.median(ts) / base, "median_ms": 1000 * statistics.median(ts)}
+            for name, ts in times.items()
+        ]  # fmt: skip
+        print(json.dumps(rows))
+        return
+    print(shape)
     print("| step (forward + backward) | median s | x teacher forcing |")
     print("|---|---|---|")
     for name, ts in times.items():

@@ -50,13 +50,7 @@ class TricksTrainer(Trainer):
         from nlp_tricks import TricksArguments, TricksTrainer, focal_loss
 
         class MyTrainer(TricksTrainer):
-            def _set_signature_columns_if_needed(self):
-        # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
-        super()._set_signature_columns_if_needed()
-        if "teacher_logits" not in self._signature_columns:
-            self._signature_columns.append("teacher_logits")
-
-    def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+            def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
                 loss = super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
                 # e.g. add an auxiliary focal term on the same logits
                 return loss + 0.1 * focal_loss(logits, labels, gamma=1.0, num_items_in_batch=num_items_in_batch)
