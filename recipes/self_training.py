@@ -323,7 +323,8 @@ def build_model(task: str, model_path: str, model_args: ModelArguments, labels: 
 
 
 def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, training_args, output_dir, labels):
-    """Train one stage (teacher or student), save it, and return its trainer and validation / test metrics."""
+    """Train one stage (teacher or student), save it; return the trained model, the job's accelerator and the
+    validation / test metrics (the trainer, with its optimizer state, is let go)."""
     args = copy.deepcopy(training_args)
     args.output_dir = str(output_dir)
     if task == "ner":
@@ -347,18 +348,18 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, tra
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if split in eval_datasets:
             metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
-    return trainer, metrics
+    return trainer.model, trainer.accelerator, metrics
 
 
-def pseudo_label(task, trainer, tokenizer, unlabeled, data, threshold, batch_size, desc):
+def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc):
     """The teacher's pseudo-labels for the unlabelled examples (every process gets all of them)."""
     dataset, word_ids = tokenize_unlabeled(task, unlabeled, tokenizer, data.max_seq_length)
     logits = predict_logits(
-        trainer.model,
+        model,
         dataset,
         DataCollatorWithPadding(tokenizer),
         batch_size=batch_size,
-        accelerator=trainer.accelerator,
+        accelerator=accelerator,
         desc=desc,
     )
     if task == "ner":
@@ -467,7 +468,7 @@ def main() -> None:
     # ---- Round 1's teacher: the labelled data only ----
     model, tokenizer = build_model(task, teacher_path, model_args, labels, training_args.seed)
     labelled_dataset = tokenize(task, data["labelled"], tokenizer, label2id, data_args, train=True)
-    teacher, teacher_metrics = train_and_evaluate(
+    teacher, accelerator, teacher_metrics = train_and_evaluate(
         task,
         model,
         tokenizer,
@@ -484,6 +485,7 @@ def main() -> None:
         pseudo = pseudo_label(
             task,
             teacher,
+            accelerator,
             teacher_tokenizer,
             data["unlabeled"],
             data_args,
@@ -499,13 +501,12 @@ def main() -> None:
         }
         if data["hidden_gold"] is not None:
             pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
-        del teacher  # frees the teacher's trainer (optimizer state) before the student trains
 
         model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
         train_dataset = student_dataset(
             task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
         )
-        student, student_metrics = train_and_evaluate(
+        student, accelerator, student_metrics = train_and_evaluate(
             task,
             model,
             tokenizer,
