@@ -1,5 +1,5 @@
 """Self-training: confidence filtering against hand-computed cases, soft labels through the collator, order across
-2 processes, unlabelled-file errors, and the recipe end to end (one round, a few steps, both tasks)."""
+2 processes, unlabelled-file errors, and the recipe end to end (a few steps: NER one round, classification two)."""
 
 from __future__ import annotations
 
@@ -290,12 +290,12 @@ def test_recipe_ner_one_round_soft_labels(tiny_model, tmp_path):
     ]
 
 
-def test_recipe_classification_one_round_hard_labels_fraction(tiny_model, tmp_path):
+def test_recipe_classification_two_rounds_hard_labels_fraction(tiny_model, tmp_path):
     write_csv(tmp_path / "train.csv", CLS_ROWS)
     write_csv(tmp_path / "dev.csv", CLS_ROWS[:4])
     out = tmp_path / "out"
     files = ["--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "dev.csv")]
-    extra = ["--task", "classification", *files, "--unlabeled_fraction", "0.6", "--confidence_threshold", "0.0"]
+    extra = ["--task", "classification", *files, "--unlabeled_fraction", "0.6", "--rounds", "2"]
     proc = launch("self_training", tiny_args(tiny_model, out, *extra), launcher="python")
     assert_ok(proc)
     results = results_of(out)
@@ -305,6 +305,11 @@ def test_recipe_classification_one_round_hard_labels_fraction(tiny_model, tmp_pa
     assert 0.0 <= round1["pseudo_labels"]["accuracy_of_kept"] <= 1.0  # measured against the held-out gold
     for role in ("teacher", "student"):
         assert 0.0 <= round1[role]["eval_accuracy"] <= 1.0 and "test_accuracy" not in round1[role]
+    # Round 2: round 1's student is the teacher (its metrics, not a retrained model's) and labels again.
+    round2 = results["rounds"][1]
+    assert round2["round"] == 2 and round2["teacher"] == round1["student"]
+    assert round2["pseudo_labels"]["kept"] == 6 and round2["student"]["train_samples"] == 10
+    assert (out / "round_2" / "student" / "model.safetensors").is_file() and not (out / "round_2" / "teacher").exists()
 
 
 @pytest.mark.parametrize(
