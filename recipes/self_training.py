@@ -1,0 +1,540 @@
+"""Self-training with a teacher (Noisy Student style) for NER and text classification, with every trick as a flag.
+
+    accelerate launch recipes/self_training.py --task ner --unlabeled_fraction 0.9        # WNUT-16, 10% labelled
+    accelerate launch recipes/self_training.py --task classification --unlabeled_fraction 0.9 --soft_labels true
+    accelerate launch recipes/self_training.py --task ner --train_file train.conll --validation_file dev.conll \\
+        --unlabeled_file raw.txt --confidence_threshold 0.9 --rounds 2
+    accelerate launch recipes/self_training.py --help      # every data, model, self-training and trick flag
+
+Per round: (round 1) train a teacher on the labelled data; let it label the unlabelled data; train a fresh student
+(from ``--student_model_name_or_path``, default the teacher's starting model) on the kept pseudo-labels mixed with the
+labelled data; evaluate teacher and student on validation and test. The student is the next round's teacher.
+Xie et al. 2020, https://arxiv.org/abs/1911.04252; Du et al. 2021, https://arxiv.org/abs/2010.02194.
+
+Features:
+
+- ``--task ner|classification``: the data flags, readers, tokenization and metrics are those of ``recipes/ner.py``
+  and ``recipes/classification.py`` (``--dataset_name demo`` by default: WNUT-16 tweets / BBC News).
+- Unlabelled data: ``--unlabeled_file`` (classification: CSV / JSON lines with ``--text_column``; NER: JSON lines
+  with ``--tokens_column`` or one word per line, first column, blank line between sentences), or
+  ``--unlabeled_fraction F``: that share of the training split is held out and its labels removed (used only to
+  report the pseudo-labels' accuracy, never to train). Labels are those of the whole training split.
+- ``--confidence_threshold``: pseudo-labels below it are dropped. A text's confidence is the teacher's largest
+  softmax probability; a sentence's is the smallest one over its words (first sub-tokens).
+- ``--soft_labels``: the student distils the teacher's logits at ``--distill_temperature`` with weight
+  ``--distill_alpha`` (the rest is cross-entropy on the argmax / gold label); labelled examples carry their gold
+  one-hot as teacher logits. Without it, the student trains on hard (argmax) pseudo-labels.
+- ``--rounds``: how many teacher -> student rounds.
+- Pseudo-labelling runs batched (``--per_device_eval_batch_size``) under ``torch.no_grad``, split across the
+  processes of the job, with a progress bar.
+- Outputs in ``--output_dir`` (default ``outputs/self_training``): ``round_<r>/{teacher,student}`` (models), and
+  ``self_training_results.json`` with each round's teacher and student metrics and pseudo-label counts, written
+  once at the end; a table is printed. Bad input stops the run before training: one ``file:line: message`` line on
+  stderr, exit status 1, no results file.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    set_seed,
+)
+
+from nlp_tricks import TricksArguments, TricksTrainer
+from nlp_tricks.data import DataError, check_labels, label_list, split_examples
+from nlp_tricks.recipe_utils import (
+    classification_compute_metrics,
+    is_main_process,
+    load_classification_splits,
+    load_config_and_tokenizer,
+    load_ner_splits,
+    load_weights,
+    ner_compute_metrics,
+    parse_recipe_args,
+    prepare_ner_tokenizer,
+    resolve_model_path,
+    run_recipe,
+    tokenize_classification,
+    tokenize_ner,
+    write_json_atomic,
+)
+from nlp_tricks.self_training import (
+    TeacherLogitsCollator,
+    classification_pseudo_labels,
+    ner_pseudo_labels,
+    one_hot_logits,
+    predict_logits,
+    read_unlabeled_file,
+    token_teacher_logits,
+)
+
+# Those of recipes/ner.py and recipes/classification.py, but no evaluation during training: each stage is scored
+# once at its end.
+RECIPE_DEFAULTS = {
+    "learning_rate": 1.5e-4,
+    "num_train_epochs": 2,
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 64,
+    "weight_decay": 0.01,
+    "head_lr_scale": 10.0,
+    "eval_strategy": "no",
+    "logging_steps": 50,
+    "save_strategy": "no",
+}
+TASK_DEFAULTS = {"ner": {}, "classification": {"learning_rate": 1e-4}}
+TASKS = ("ner", "classification")
+# The columns of the printed table.
+TABLE_METRICS = {
+    "ner": ("eval_f1", "test_f1"),
+    "classification": ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1"),
+}
+
+
+@dataclass
+class DataArguments:
+    """Where the labelled, unlabelled and evaluation data come from."""
+
+    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
+    dataset_name: str = field(
+        default="demo",
+        metadata={
+            "help": "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
+            "--train_file is given."
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines."},
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
+    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
+    unlabeled_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Unlabelled data. NER: JSON lines with --tokens_column, or one word per line (first column) "
+            "with a blank line between sentences; classification: CSV or JSON lines with --text_column."
+        },
+    )
+    unlabeled_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --unlabeled_file: hold out this share in (0, 1) of the training split and remove its "
+            "labels (e.g. 0.9 keeps 10%% labelled)."
+        },
+    )
+    max_unlabeled_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N unlabelled examples."}
+    )
+    tokens_column: str = field(default="tokens", metadata={"help": "NER: field of the words (JSON lines, Hub)."})
+    tags_column: str = field(default="ner_tags", metadata={"help": "NER: field of the tags (JSON lines, Hub)."})
+    text_column: str = field(default="text", metadata={"help": "Classification: column / field of the text."})
+    label_column: str = field(default="label", metadata={"help": "Classification: column / field of the label."})
+    max_seq_length: int = field(default=128, metadata={"help": "Sub-tokens per example; longer ones are truncated."})
+    label_all_tokens: bool = field(
+        default=False,
+        metadata={"help": "NER: train on every sub-token of a word (I- after a B-), not only its first sub-token."},
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N training examples (before holding any out)."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
+    )
+    split_seed: int = field(
+        default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction."}
+    )
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task={self.task!r} is not allowed; choose one of {', '.join(map(repr, TASKS))}")
+        if self.max_seq_length < 2:
+            raise ValueError(f"max_seq_length={self.max_seq_length} is not allowed; it must be >= 2")
+        if self.train_file is None and (self.validation_file or self.test_file):
+            raise ValueError("validation_file / test_file need a train_file (labels come from the training data)")
+        if (self.unlabeled_file is None) == (self.unlabeled_fraction is None):
+            raise ValueError(
+                "give exactly one of unlabeled_file or unlabeled_fraction (e.g. --unlabeled_fraction 0.9)"
+            )
+        if self.unlabeled_fraction is not None and not 0.0 < self.unlabeled_fraction < 1.0:
+            raise ValueError(f"unlabeled_fraction={self.unlabeled_fraction} is not allowed; it must be in (0, 1)")
+
+
+@dataclass
+class SelfTrainingArguments:
+    """How pseudo-labels are made and used."""
+
+    confidence_threshold: float = field(
+        default=0.0,
+        metadata={
+            "help": "Drop pseudo-labels whose confidence is below this value in [0, 1]: the largest softmax "
+            "probability of a text, the smallest one over the words of a sentence (NER). 0 keeps all."
+        },
+    )
+    soft_labels: bool = field(
+        default=False,
+        metadata={
+            "help": "Distil the teacher's logits at --distill_temperature (weight --distill_alpha; the rest is "
+            "cross-entropy on the argmax label) instead of training on hard argmax pseudo-labels."
+        },
+    )
+    rounds: int = field(default=1, metadata={"help": "Teacher -> student rounds (>= 1); a student teaches the next."})
+
+    def __post_init__(self):
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold} is not allowed; it must be in [0, 1]")
+        if int(self.rounds) != self.rounds or self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds} is not allowed; it must be an integer >= 1")
+
+
+@dataclass
+class ModelArguments:
+    """The teacher's and the student's starting models."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "The teacher's starting model: a folder, a Hub id, or a raw state-dict file. Default: the "
+            "all-MiniLM-L6-v2 encoder shipped by the demo extra."
+        },
+    )
+    student_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The students' starting model (same forms). Default: the teacher's."}
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
+    )
+
+
+def task_from_argv(argv: list[str]) -> str:
+    """The ``--task`` of a command line (or of a YAML / JSON file given alone), to pick the defaults before parsing."""
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")) and Path(argv[0]).is_file():
+        import json
+
+        import yaml
+
+        text = Path(argv[0]).read_text(encoding="utf-8")
+        values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+        return str(values.get("task", "ner")) if isinstance(values, dict) else "ner"
+    for i, arg in enumerate(argv):
+        if arg == "--task" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--task="):
+            return arg.split("=", 1)[1]
+    return "ner"
+
+
+# ---- Data ---------------------------------------------------------------------------------------------------------
+
+
+def setup_data(data: DataArguments) -> dict:
+    """Read everything (and fail on bad input) before any training: labelled, unlabelled, validation, test, labels."""
+    ner = data.task == "ner"
+    splits = load_ner_splits(data) if ner else load_classification_splits(data)
+    label_key = "ner_tags" if ner else "label"
+    labels = label_list(splits["train"][0], label_key)
+    for split in ("validation", "test"):
+        if split in splits:
+            check_labels(splits[split][0], label_key, labels, splits[split][1])
+    train = splits["train"][0][: data.max_train_samples]
+    hidden_gold = None
+    if data.unlabeled_file:
+        labelled = train
+        unlabeled = read_unlabeled_file(
+            data.unlabeled_file, data.task, data.tokens_column if ner else data.text_column
+        )
+        source = data.unlabeled_file
+    else:
+        labelled, held_out = split_examples(
+            train, (1.0 - data.unlabeled_fraction, data.unlabeled_fraction), seed=data.split_seed
+        )
+        # The labels are removed from what the teacher sees; they only measure the pseudo-labels' accuracy.
+        hidden_gold = [ex[label_key] for ex in held_out]
+        unlabeled = [{k: v for k, v in ex.items() if k not in (label_key, "tag_lines")} for ex in held_out]
+        source = splits["train"][1]
+    unlabeled = unlabeled[: data.max_unlabeled_samples]
+    hidden_gold = None if hidden_gold is None else hidden_gold[: len(unlabeled)]
+    if not labelled:
+        raise DataError(splits["train"][1], None, "no labelled examples left; lower --unlabeled_fraction")
+    if not unlabeled:
+        raise DataError(source, None, "no unlabelled examples; raise --unlabeled_fraction or --max_unlabeled_samples")
+    eval_examples = {
+        split: splits[split][0][: data.max_eval_samples]
+        for split in ("validation", "test")
+        if splits.get(split, ([],))[0]
+    }
+    return {
+        "labels": labels,
+        "labelled": labelled,
+        "unlabeled": unlabeled,
+        "hidden_gold": hidden_gold,
+        "eval": eval_examples,
+    }
+
+
+def tokenize(task: str, examples: list[dict], tokenizer, label2id: dict, data: DataArguments, train: bool):
+    if task == "ner":
+        return tokenize_ner(examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train)
+    return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length)
+
+
+def tokenize_unlabeled(task: str, examples: list[dict], tokenizer, max_seq_length: int):
+    """The inputs of the unlabelled examples, and for NER each sentence's word ids."""
+    from datasets import Dataset
+
+    if task == "ner":
+        encodings = tokenizer(
+            [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
+        )
+        word_ids = [encodings.word_ids(batch_index=i) for i in range(len(examples))]
+    else:
+        encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
+        word_ids = None
+    return Dataset.from_dict(dict(encodings)), word_ids
+
+
+# ---- Model, training, evaluation ---------------------------------------------------------------------------------
+
+
+def build_model(task: str, model_path: str, model_args: ModelArguments, labels: list[str], seed: int):
+    set_seed(seed)  # the fresh classifier head of every stage starts from the same seed
+    config, tokenizer = load_config_and_tokenizer(
+        model_path,
+        model_args.tokenizer_name,
+        model_args.trust_remote_code,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    if task == "ner":
+        prepare_ner_tokenizer(config, tokenizer)
+    auto_cls = AutoModelForTokenClassification if task == "ner" else AutoModelForSequenceClassification
+    return load_weights(auto_cls, model_path, config, model_args.trust_remote_code), tokenizer
+
+
+def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, training_args, output_dir, labels):
+    """Train one stage (teacher or student), save it; return the trained model, the job's accelerator and the
+    validation / test metrics (the trainer, with its optimizer state, is let go)."""
+    args = copy.deepcopy(training_args)
+    args.output_dir = str(output_dir)
+    if task == "ner":
+        collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)
+        compute_metrics = ner_compute_metrics(dict(enumerate(labels)))
+    else:
+        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+        compute_metrics = classification_compute_metrics(len(labels))
+    trainer = TricksTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        data_collator=TeacherLogitsCollator(collator, tokenizer.padding_side),
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+    )
+    train_result = trainer.train()
+    trainer.save_model()
+    metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
+    for split, prefix in (("validation", "eval"), ("test", "test")):
+        if split in eval_datasets:
+            metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
+    return trainer.model, trainer.accelerator, metrics
+
+
+def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc):
+    """The teacher's pseudo-labels for the unlabelled examples (every process gets all of them)."""
+    dataset, word_ids = tokenize_unlabeled(task, unlabeled, tokenizer, data.max_seq_length)
+    logits = predict_logits(
+        model,
+        dataset,
+        DataCollatorWithPadding(tokenizer),
+        batch_size=batch_size,
+        accelerator=accelerator,
+        desc=desc,
+    )
+    if task == "ner":
+        return ner_pseudo_labels(logits, word_ids, threshold)
+    return classification_pseudo_labels(logits, threshold)
+
+
+def pseudo_examples(task: str, unlabeled: list[dict], pseudo, labels: list[str]) -> list[dict]:
+    """Kept unlabelled examples with their pseudo-labels, in the form the task's tokenizer function reads."""
+    if task == "classification":
+        return [{"text": unlabeled[i]["text"], "label": labels[y]} for i, y in zip(pseudo.indices, pseudo.labels)]
+    out = []
+    for i, word_labels in zip(pseudo.indices, pseudo.labels):
+        # Words the teacher saw (truncation cuts the rest); a word without a sub-token never gets a label from
+        # the same tokenizer, so its placeholder tag is not trained on.
+        tags = [labels[y] if y is not None else labels[0] for y in word_labels]
+        out.append({"tokens": unlabeled[i]["tokens"][: len(tags)], "ner_tags": tags})
+    return out
+
+
+def pseudo_label_accuracy(task: str, pseudo, hidden_gold: list, labels: list[str]) -> float | None:
+    """Accuracy of the kept pseudo-labels against the held-out gold (per text, or per word for NER)."""
+    if not pseudo.indices:
+        return None
+    if task == "classification":
+        return float(np.mean([labels[y] == hidden_gold[i] for i, y in zip(pseudo.indices, pseudo.labels)]))
+    hits = [
+        labels[y] == gold
+        for i, word_labels in zip(pseudo.indices, pseudo.labels)
+        for y, gold in zip(word_labels, hidden_gold[i])
+        if y is not None
+    ]
+    return float(np.mean(hits)) if hits else None
+
+
+def student_dataset(task, tokenizer, labelled, pseudo_ex, pseudo, label2id, data, soft: bool):
+    """Labelled + pseudo-labelled training examples; with ``soft``, each carries ``teacher_logits``."""
+    from datasets import Dataset
+
+    examples = labelled + pseudo_ex
+    dataset = tokenize(task, examples, tokenizer, label2id, data, train=True)
+    if not soft:
+        return dataset
+    num_labels = len(label2id)
+    teacher = [None] * len(labelled) + list(pseudo.logits)
+    if task == "classification":
+        column = [
+            one_hot_logits(label2id[ex["label"]], num_labels) if t is None else np.asarray(t, dtype=np.float32)
+            for ex, t in zip(examples, teacher)
+        ]
+    else:
+        encodings = tokenizer(
+            [ex["tokens"] for ex in examples],
+            is_split_into_words=True,
+            truncation=True,
+            max_length=data.max_seq_length,
+        )
+        column = [
+            token_teacher_logits(encodings.word_ids(batch_index=i), dataset[i]["labels"], t, num_labels)
+            for i, t in enumerate(teacher)
+        ]
+    return Dataset.from_dict({**dataset.to_dict(), "teacher_logits": [c.tolist() for c in column]})
+
+
+# ---- Results ------------------------------------------------------------------------------------------------------
+
+
+def format_table(task: str, rounds: list[dict]) -> str:
+    """One row per round and model: pseudo-labels kept and the task's validation / test metrics."""
+    keys = TABLE_METRICS[task]
+    header = ["round", "model", "pseudo-labels kept", *keys]
+    rows = []
+    for r in rounds:
+        kept = f"{r['pseudo_labels']['kept']}/{r['pseudo_labels']['unlabeled']}"
+        for role in ("teacher", "student"):
+            values = [f"{r[role][k]:.4f}" if r[role].get(k) is not None else "-" for k in keys]
+            rows.append([str(r["round"]), role, kept if role == "student" else "-", *values])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    task = task_from_argv(sys.argv[1:])
+    defaults = {**RECIPE_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
+    data_args, st_args, model_args, training_args = parse_recipe_args(
+        (DataArguments, SelfTrainingArguments, ModelArguments, TricksArguments), "self_training", defaults
+    )
+    task = data_args.task
+    set_seed(training_args.seed)
+
+    # ---- Data: read everything (and fail on bad input) before any training ----
+    data = setup_data(data_args)
+    labels = data["labels"]
+    label2id = {label: i for i, label in enumerate(labels)}
+    teacher_path = resolve_model_path(model_args.model_name_or_path)
+    student_path = model_args.student_model_name_or_path or teacher_path
+    out = Path(training_args.output_dir)
+
+    def eval_sets(tokenizer):
+        return {
+            split: tokenize(task, examples, tokenizer, label2id, data_args, train=False)
+            for split, examples in data["eval"].items()
+        }
+
+    # ---- Round 1's teacher: the labelled data only ----
+    model, tokenizer = build_model(task, teacher_path, model_args, labels, training_args.seed)
+    labelled_dataset = tokenize(task, data["labelled"], tokenizer, label2id, data_args, train=True)
+    teacher, accelerator, teacher_metrics = train_and_evaluate(
+        task,
+        model,
+        tokenizer,
+        labelled_dataset,
+        eval_sets(tokenizer),
+        training_args,
+        out / "round_1" / "teacher",
+        labels,
+    )
+    teacher_tokenizer = tokenizer
+
+    rounds = []
+    for r in range(1, st_args.rounds + 1):
+        pseudo = pseudo_label(
+            task,
+            teacher,
+            accelerator,
+            teacher_tokenizer,
+            data["unlabeled"],
+            data_args,
+            st_args.confidence_threshold,
+            training_args.per_device_eval_batch_size,
+            desc=f"round {r}: pseudo-labelling",
+        )
+        pseudo_ex = pseudo_examples(task, data["unlabeled"], pseudo, labels)
+        pseudo_stats = {
+            "unlabeled": len(data["unlabeled"]),
+            "kept": len(pseudo.indices),
+            "mean_confidence": float(np.nanmean(pseudo.confidence)) if len(pseudo.confidence) else None,
+        }
+        if data["hidden_gold"] is not None:
+            pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
+
+        model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
+        train_dataset = student_dataset(
+            task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
+        )
+        student, accelerator, student_metrics = train_and_evaluate(
+            task,
+            model,
+            tokenizer,
+            train_dataset,
+            eval_sets(tokenizer),
+            training_args,
+            out / f"round_{r}" / "student",
+            labels,
+        )
+        rounds.append(
+            {"round": r, "teacher": teacher_metrics, "student": student_metrics, "pseudo_labels": pseudo_stats}
+        )
+        teacher, teacher_tokenizer, teacher_metrics = student, tokenizer, student_metrics
+
+    if is_main_process():
+        results = {
+            "task": task,
+            "labelled": len(data["labelled"]),
+            "unlabeled": len(data["unlabeled"]),
+            "confidence_threshold": st_args.confidence_threshold,
+            "soft_labels": st_args.soft_labels,
+            "distill_temperature": training_args.distill_temperature if st_args.soft_labels else None,
+            "distill_alpha": training_args.distill_alpha if st_args.soft_labels else None,
+            "rounds": rounds,
+        }
+        write_json_atomic(out / "self_training_results.json", results)
+        print(format_table(task, rounds), flush=True)
+
+
+if __name__ == "__main__":
+    run_recipe(main)
