@@ -5,8 +5,9 @@
     python -m nlp_tricks.ablation --recipe ner --seeds 1 --max_steps 20 --output_dir /tmp/abl -- --max_train_samples 64
 
 Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s> --seed <s> [--learning_rate lr]
-<config flags> <flags after -->``, one after another. A run whose ``all_results.json`` exists is not rerun, so an
-interrupted ablation resumes where it stopped. Writes ``ablation.md`` (mean ± std of the main metric, time per step
+<config flags> <flags after -->``, one after another. A run that finished with the same flags is not rerun, so an
+interrupted ablation resumes where it stopped (and a call with a subset of ``--configurations`` tabulates finished
+runs). Writes ``ablation.md`` (mean ± std of the main metric, time per step
 and peak memory relative to the baseline), ``ablation.png`` (bars with error bars) and ``ablation.json`` (every run).
 
 Fair comparison: FGM and PGD add the clean and adversarial gradients, which acts like a larger step, so a table at
@@ -68,7 +69,10 @@ def run_one(recipe: Path, run_dir: Path, flags: list[str]) -> dict:
     results_path = run_dir / "all_results.json"
     record_path = run_dir / "ablation_run.json"
     if results_path.is_file() and record_path.is_file():
-        return json.loads(record_path.read_text())
+        record = json.loads(record_path.read_text())
+        if record.get("flags") == flags:
+            return record
+        print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(recipe), "--output_dir", str(run_dir), *flags]
     print(f"[ablation] {' '.join(command)}", flush=True)
@@ -85,6 +89,7 @@ def run_one(recipe: Path, run_dir: Path, flags: list[str]) -> dict:
     state_path = run_dir / "trainer_state.json"
     steps = json.loads(state_path.read_text()).get("global_step") if state_path.is_file() else None
     record = {
+        "flags": flags,
         "results": results,
         "wall_seconds": wall,
         "train_seconds_per_step": results.get("train_runtime", wall) / steps if steps else None,
