@@ -119,7 +119,7 @@ def training_logs(trainer) -> list[dict]:
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-# ---- Adversarial steps in fp16 (GradScaler) and bf16 against fp32 ----------------------------------------------------
+# ---- Adversarial steps in fp16 (GradScaler) and bf16 against fp32 ---------------------------------------------------
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -251,7 +251,7 @@ def test_accelerate_mixed_precision_env_selects_fp16(device, cuda_only, monkeypa
     assert dtypes == [torch.float16, torch.float16]
 
 
-# ---- Losses in float32 -----------------------------------------------------------------------------------------------
+# ---- Losses in float32 ----------------------------------------------------------------------------------------------
 
 
 def reference_loss(loss_type, logits, labels):
@@ -291,7 +291,7 @@ def test_losses_are_float32_under_autocast(device, precision, loss_type, tmp_pat
     assert logits.grad.dtype == dtype and torch.isfinite(logits.grad).all()
 
 
-# ---- Scheduled sampling ----------------------------------------------------------------------------------------------
+# ---- Scheduled sampling ---------------------------------------------------------------------------------------------
 
 
 def seq2seq_batch(model, device, n=4):
