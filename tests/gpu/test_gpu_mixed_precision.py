@@ -388,3 +388,26 @@ def test_trainer_data_parallel_adversarial(device, two_gpus, tmp_path):
     assert [h["adv_skipped"] for h in logs] == [0, 0, 0]
     assert all(h["loss_adv"] > h["loss_clean"] for h in logs)
     assert changed_parameters(before, model) == [name for name, _ in model.named_parameters()]
+
+
+def test_seq2seq_trainer_data_parallel_scheduled_sampling(device, two_gpus, tmp_path):
+    # Pass 2 goes through the DataParallel wrapper with the encoder outputs, which it scatters like the other inputs.
+    model = bart_lm()
+    before = snapshot(model)
+    args = seq2seq_args(
+        tmp_path,
+        use_cpu=False,
+        scheduled_sampling="linear",
+        ss_k=2,
+        max_steps=3,
+        bf16=True,
+        per_device_train_batch_size=2,
+    )
+    trainer = Seq2SeqTricksTrainer(model=model, args=args, train_dataset=seq2seq_data(n=16))
+    assert trainer.args.n_gpu >= 2
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, nn.DataParallel)
+    logs = training_logs(trainer)
+    assert [h["teacher_forcing_ratio"] for h in logs] == [1.0, 0.5, 0.0]
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    assert changed_parameters(before, model) == [name for name, _ in model.named_parameters()]
