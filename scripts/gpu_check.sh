@@ -37,7 +37,8 @@ if [[ "$DEVICE" == cuda ]]; then
         exit 2
     fi
     LAUNCH=(--config_file accelerate_configs/single_gpu.yaml)
-    NER_SIZE=(--max_steps 40 --max_train_samples 640 --max_eval_samples 128 --per_device_train_batch_size 16)
+    NER_SIZE=(--max_steps 40 --max_train_samples 640 --max_eval_samples 128 --per_device_train_batch_size 16
+        --logging_steps 10)
     SUM_SIZE=(--max_steps 30 --max_train_samples 240 --max_eval_samples 32 --per_device_train_batch_size 8
         --generation_max_length 48)
     SS_K=30
@@ -47,7 +48,7 @@ else
     WHERE="CPU dry run (not a GPU check)"
     LAUNCH=(--config_file accelerate_configs/cpu.yaml)
     NER_SIZE=(--max_steps 2 --max_train_samples 16 --max_eval_samples 4 --per_device_train_batch_size 8
-        --max_seq_length 32 --use_cpu true)
+        --max_seq_length 32 --use_cpu true --logging_steps 1)
     SUM_SIZE=(--max_steps 4 --max_train_samples 16 --max_eval_samples 4 --per_device_train_batch_size 4
         --generation_max_length 8 --max_source_length 64 --max_target_length 16)
     SS_K=4
@@ -137,7 +138,7 @@ ner_run() {
     local precision=("$@")
     run_step "$name" 90 "$PY" -m accelerate.commands.launch "${LAUNCH[@]}" "${precision[@]:0:2}" recipes/ner.py \
         --output_dir "$OUT/$name" --adversarial "$method" "${NER_SIZE[@]}" "${precision[@]:2}" \
-        --eval_strategy no --logging_steps 10 --learning_rate 1e-4 --disable_tqdm true --seed 0
+        --eval_strategy no --learning_rate 1e-4 --disable_tqdm true --seed 0
     DETAILS=""
     check "$name" "$NER_CHECK"
     record "$name" "$DETAILS"
