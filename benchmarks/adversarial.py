@@ -2,6 +2,7 @@
 
     python benchmarks/adversarial.py              # MiniLM-shaped BERT, batch 16 x 64, CPU: the README's numbers
     python benchmarks/adversarial.py --quick      # a tiny BERT, seconds
+    python benchmarks/adversarial.py --device cuda   # on the GPU (scripts/gpu_check.sh)
 
 One optimizer step = the method's forward/backward passes + AdamW step + zero_grad, on a BertForTokenClassification
 built from config (6 layers, hidden 384, 12 heads, intermediate 1536: MiniLM's shape). Methods:
@@ -18,6 +19,9 @@ forked process; its peak resident memory above the state after building the mode
 gradients, AdamW state and activations), compared with plain's peak plus one pass's activations (a second pass runs
 while the first pass's gradients are held). Vocabulary: the FGM / plain time ratio at vocab 250,002 (XLM-R's)
 against 30,522 (BERT's), interleaved in one loop, and FGM's extra time over plain at each.
+With ``--device cuda`` times are taken between ``torch.cuda.synchronize()`` calls and memory is the
+peak of ``torch.cuda.max_memory_allocated()`` above the model and the optimizer, each method measured in
+turn in this process.
 """
 
 from __future__ import annotations
@@ -77,10 +81,10 @@ def classic_pgd_step(model, loss_fn, weight, epsilon=1.0, alpha=0.3, steps=3):
 # ---- Setup ----------------------------------------------------------------------------------------------------------
 
 
-def build(vocab, shape, batch, length, seed=0):
+def build(vocab, shape, batch, length, seed=0, device="cpu"):
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=vocab, num_labels=9, max_position_embeddings=max(512, length), **shape)
-    model = BertForTokenClassification(config).train()
+    model = BertForTokenClassification(config).train().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(seed)
     inputs = {
@@ -88,7 +92,7 @@ def build(vocab, shape, batch, length, seed=0):
         "attention_mask": torch.ones(batch, length, dtype=torch.long),
         "labels": torch.randint(0, 9, (batch, length), generator=g),
     }
-    return model, optimizer, inputs
+    return model, optimizer, {key: value.to(device) for key, value in inputs.items()}
 
 
 def make_steps(model, optimizer, inputs):
@@ -112,6 +116,11 @@ def make_steps(model, optimizer, inputs):
     }
 
 
+def _synchronize():
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_interleaved(step_sets, repeats):
     """Seconds per step of every (label, step), per round: interleaved, order rotating per round, one warm-up each."""
     labels = list(step_sets)
@@ -121,8 +130,10 @@ def time_interleaved(step_sets, repeats):
     for r in range(repeats):
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for label in order:
+            _synchronize()
             start = time.perf_counter()
             step_sets[label]()
+            _synchronize()
             times[label].append(time.perf_counter() - start)
     return times
 
@@ -157,6 +168,22 @@ def measure_memory(method, vocab, shape, batch, length):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # Linux reports KiB
 
 
+def measure_cuda_memory(method, vocab, shape, batch, length):
+    """Peak CUDA memory growth over 2 steps of `method` (or one kept forward), above the model and optimizer."""
+    model, optimizer, inputs = build(vocab, shape, batch, length, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    if method == "activations":
+        out = model(**inputs)  # noqa: F841 (the graph stays alive until the peak is read)
+    else:
+        step = make_steps(model, optimizer, inputs)[method]
+        for _ in range(2):
+            step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before  # everything here is freed on return
+
+
 # ---- Main -----------------------------------------------------------------------------------------------------------
 
 
@@ -169,6 +196,7 @@ def main():
     parser.add_argument("--large-vocab", type=int, default=250002)
     parser.add_argument("--quick", action="store_true", help="tiny BERT, vocab 1000 / 8000, batch 4 x 16, 3 repeats")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model trains")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine; ratios are the point)"
     )
@@ -179,17 +207,20 @@ def main():
     torch.set_num_threads(args.threads)
     # Memory first, each method in a child forked while this process still holds no model.
     methods = ["plain", "fgm", "pgd3", "classic fgm", "classic pgd3", "activations"]
-    with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
-        memory = {m: pool.apply(measure_memory, (m, args.vocab, shape, args.batch, args.length)) for m in methods}
+    if args.device == "cuda":
+        memory = {m: measure_cuda_memory(m, args.vocab, shape, args.batch, args.length) for m in methods}
+    else:
+        with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
+            memory = {m: pool.apply(measure_memory, (m, args.vocab, shape, args.batch, args.length)) for m in methods}
 
-    model, optimizer, inputs = build(args.vocab, shape, args.batch, args.length)
+    model, optimizer, inputs = build(args.vocab, shape, args.batch, args.length, device=args.device)
     steps = make_steps(model, optimizer, inputs)
     rounds = time_interleaved(steps, args.repeats)
     times = {label: statistics.median(t) for label, t in rounds.items()}
     del model, optimizer, inputs, steps
 
-    small = build(args.vocab, shape, args.batch, args.length)
-    large = build(args.large_vocab, shape, args.batch, args.length)
+    small = build(args.vocab, shape, args.batch, args.length, device=args.device)
+    large = build(args.large_vocab, shape, args.batch, args.length, device=args.device)
     small_steps, large_steps = make_steps(*small), make_steps(*large)
     vocab_rounds = time_interleaved(
         {
@@ -247,8 +278,9 @@ def main():
         print(json.dumps(out))
         return
     size = "quick (tiny BERT)" if args.quick else "MiniLM-shaped BERT (6 x 384)"
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(
-        f"{size}, batch {args.batch} x {args.length}, vocab {args.vocab}, CPU ({torch.get_num_threads()} threads), "
+        f"{size}, batch {args.batch} x {args.length}, vocab {args.vocab}, {where}, "
         f"median of {args.repeats} interleaved steps"
     )
     print()

@@ -3,6 +3,7 @@
     python benchmarks/scheduled_sampling.py --threads 1   # the README's numbers
     python benchmarks/scheduled_sampling.py            # BART d_model 256, 3+3 layers, vocab 32k, batch 16, 256 -> 64
     python benchmarks/scheduled_sampling.py --quick    # tiny BART, seconds
+    python benchmarks/scheduled_sampling.py --device cuda   # on the GPU (scripts/gpu_check.sh)
 
 One step = forward, cross-entropy on the labels, backward (the optimizer update is the same for every variant and is
 left out, so the ratios are the strictest). Variants, on the same model and batch:
@@ -13,7 +14,8 @@ left out, so the ratios are the strictest). Variants, on the same model and batc
   (tokens x vocab) @ (vocab x d_model) product and its backward).
 - naive: pass 1 reruns the whole model (encoder included) under no_grad, then a full forward on the mixed input.
 
-Time: the median over interleaved repeats (the machine's noise hits every variant alike), on CPU.
+Time: the median over interleaved repeats (the machine's noise hits every variant alike), on CPU (or, with
+``--device cuda``, on the GPU between ``torch.cuda.synchronize()`` calls).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ QUICK = dict(d_model=32, layers=2, ffn=64, heads=4, vocab=1000, batch=4, source=
 RATIO = 0.5
 
 
-def build(cfg):
+def build(cfg, device="cpu"):
     torch.manual_seed(0)
     config = BartConfig(
         vocab_size=cfg["vocab"],
@@ -47,10 +49,10 @@ def build(cfg):
         decoder_ffn_dim=cfg["ffn"],
         max_position_embeddings=max(cfg["source"], cfg["target"]),
     )
-    model = BartForConditionalGeneration(config).train()
+    model = BartForConditionalGeneration(config).train().to(device)
     g = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["source"]), generator=g)
-    labels = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["target"]), generator=g)
+    input_ids = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["source"]), generator=g).to(device)
+    labels = torch.randint(4, cfg["vocab"], (cfg["batch"], cfg["target"]), generator=g).to(device)
     for i in range(cfg["batch"]):  # targets of different lengths
         labels[i, cfg["target"] - (i * 7) % (cfg["target"] // 2) :] = -100
     inputs = {
@@ -94,8 +96,13 @@ VARIANTS = {
 
 def step(fn, model, inputs, labels):
     model.zero_grad(set_to_none=True)
+    cuda = labels.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     _loss(fn(model, inputs, labels), labels).backward()
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -105,6 +112,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (for benchmarks/run_all.py)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats:
@@ -112,7 +120,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, inputs, labels = build(cfg)
+    model, inputs, labels = build(cfg, args.device)
     for fn in VARIANTS.values():  # warm-up
         step(fn, model, inputs, labels)
     times = {name: [] for name in VARIANTS}
@@ -123,7 +131,8 @@ def main():
     shape = (
         f"BART d_model {cfg['d_model']}, {cfg['layers']}+{cfg['layers']} layers, vocab {cfg['vocab']}, batch "
         f"{cfg['batch']}, source {cfg['source']}, target {cfg['target']}; ratio {RATIO}; "
-        f"{torch.get_num_threads()} threads; median of {cfg['repeats']}"
+        f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else f'{torch.get_num_threads()} threads'}; "
+        f"median of {cfg['repeats']}"
     )
     base = statistics.median(times["teacher_forcing"])
     if args.json:
