@@ -146,6 +146,38 @@ def resume_argument(value: str | None) -> str | bool | None:
     return value or None
 
 
+def train_evaluate_predict(
+    trainer,
+    train_dataset,
+    eval_datasets: dict,
+    write_test_predictions: Callable[[object], None] | None = None,
+) -> dict:
+    """The end of every recipe: train (``--resume_from_checkpoint`` honoured), save the model and the Trainer state,
+    evaluate on validation, predict on test (``write_test_predictions(predictions)`` on rank 0), then write
+    ``all_results.json`` once, atomically, on rank 0. Returns the results.
+    """
+    args = trainer.args
+    results = {}
+    train_result = trainer.train(resume_from_checkpoint=resume_argument(args.resume_from_checkpoint))
+    trainer.save_model()
+    trainer.save_state()
+    results.update(train_result.metrics)
+    results["train_samples"] = len(train_dataset)
+    if "validation" in eval_datasets:
+        results.update(trainer.evaluate())
+        results["eval_samples"] = len(eval_datasets["validation"])
+    if "test" in eval_datasets:
+        output = trainer.predict(eval_datasets["test"], metric_key_prefix="test")
+        results.update(output.metrics)
+        results["test_samples"] = len(eval_datasets["test"])
+        if trainer.is_world_process_zero() and write_test_predictions is not None:
+            write_test_predictions(output.predictions)
+    trainer.log_metrics("all", results)
+    if trainer.is_world_process_zero():
+        write_json_atomic(Path(args.output_dir) / "all_results.json", results)
+    return results
+
+
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file."""
     path = Path(path)

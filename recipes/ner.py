@@ -51,9 +51,8 @@ from nlp_tricks.recipe_utils import (
     parse_recipe_args,
     prepare_ner_tokenizer,
     resolve_model_path,
-    resume_argument,
     run_recipe,
-    write_json_atomic,
+    train_evaluate_predict,
 )
 from nlp_tricks.recipe_utils import load_ner_splits as load_splits
 from nlp_tricks.recipe_utils import tokenize_ner as tokenize
@@ -198,31 +197,16 @@ def main() -> None:
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
 
-    # ---- Train, evaluate, predict ----
-    results = {}
-    train_result = trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
-    trainer.save_model()
-    trainer.save_state()
-    results.update(train_result.metrics)
-    results["train_samples"] = len(train_dataset)
-    if "validation" in eval_datasets:
-        results.update(trainer.evaluate())
-        results["eval_samples"] = len(eval_datasets["validation"])
-    if "test" in eval_datasets:
-        output = trainer.predict(eval_datasets["test"], metric_key_prefix="test")
-        results.update(output.metrics)
-        results["test_samples"] = len(eval_datasets["test"])
-        if trainer.is_world_process_zero():
-            write_predictions(
-                Path(training_args.output_dir) / "test_predictions.txt",
-                eval_examples["test"],
-                eval_datasets["test"],
-                output.predictions,
-                id2label,
-            )
-    trainer.log_metrics("all", results)
-    if trainer.is_world_process_zero():
-        write_json_atomic(Path(training_args.output_dir) / "all_results.json", results)
+    # ---- Train, evaluate, predict; all_results.json last ----
+    output_dir = Path(training_args.output_dir)
+    train_evaluate_predict(
+        trainer,
+        train_dataset,
+        eval_datasets,
+        lambda predictions: write_predictions(
+            output_dir / "test_predictions.txt", eval_examples["test"], eval_datasets["test"], predictions, id2label
+        ),
+    )
 
 
 if __name__ == "__main__":

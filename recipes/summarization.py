@@ -56,9 +56,8 @@ from nlp_tricks.recipe_utils import (
     STATE_DICT_SUFFIXES,
     parse_recipe_args,
     resolve_model_path,
-    resume_argument,
     run_recipe,
-    write_json_atomic,
+    train_evaluate_predict,
 )
 from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
@@ -246,29 +245,17 @@ def main() -> None:
         compute_metrics=compute_metrics if training_args.predict_with_generate else None,
     )
 
-    # ---- Train, evaluate, predict ----
-    results = {}
-    train_result = trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
-    trainer.save_model()
-    trainer.save_state()
-    results.update(train_result.metrics)
-    results["train_samples"] = len(train_dataset)
-    if "validation" in eval_datasets:
-        results.update(trainer.evaluate())
-        results["eval_samples"] = len(eval_datasets["validation"])
-    if "test" in eval_datasets:
-        output = trainer.predict(eval_datasets["test"], metric_key_prefix="test")
-        results.update(output.metrics)
-        results["test_samples"] = len(eval_datasets["test"])
-        if trainer.is_world_process_zero() and training_args.predict_with_generate:
-            lines = [
-                json.dumps({"reference": ex["summary"], "prediction": pred}, ensure_ascii=False)
-                for ex, pred in zip(eval_examples["test"], decode(output.predictions))
-            ]
-            (Path(training_args.output_dir) / "test_predictions.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
-    trainer.log_metrics("all", results)
-    if trainer.is_world_process_zero():
-        write_json_atomic(Path(training_args.output_dir) / "all_results.json", results)
+    # ---- Train, evaluate, predict; all_results.json last ----
+    def write_test_predictions(predictions):
+        lines = [
+            json.dumps({"reference": ex["summary"], "prediction": pred}, ensure_ascii=False)
+            for ex, pred in zip(eval_examples["test"], decode(predictions))
+        ]
+        (Path(training_args.output_dir) / "test_predictions.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
+
+    train_evaluate_predict(
+        trainer, train_dataset, eval_datasets, write_test_predictions if training_args.predict_with_generate else None
+    )
 
 
 if __name__ == "__main__":
