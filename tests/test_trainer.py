@@ -200,3 +200,30 @@ def test_teacher_logits_switch_to_distillation(tmp_path):
     s, t, y = logits[keep], teacher[keep], batch["labels"][keep]
     kl = F.kl_div(F.log_softmax(s / 3, -1), F.log_softmax(t / 3, -1), log_target=True, reduction="batchmean")
     torch.testing.assert_close(ours, 0.25 * 9 * kl + 0.75 * F.cross_entropy(s, y))
+
+
+def test_public_api_names():
+    """The names of the design contract, importable from the package (loaded on first use)."""
+    import nlp_tricks
+    from nlp_tricks import (  # noqa: F401
+        FGM,
+        PGD,
+        FocalLoss,
+        LabelSmoothingCrossEntropy,
+        TricksArguments,
+        TricksTrainer,
+        build_param_groups,
+        focal_loss,
+        label_smoothing_cross_entropy,
+        load_state_dict_portable,
+    )
+    from nlp_tricks.seq2seq import (  # noqa: F401
+        ScheduledSampler,
+        Seq2SeqTricksArguments,
+        Seq2SeqTricksTrainer,
+        tie_encoder_decoder,
+    )
+
+    assert set(nlp_tricks.__all__) == set(nlp_tricks._EXPORTS)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        nlp_tricks.no_such_name  # noqa: B018
