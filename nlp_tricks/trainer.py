@@ -136,7 +136,7 @@ class TricksTrainer(Trainer):
                 loss = loss * labels.ne(-100).sum() / num_items
         else:
             self._add_decoder_input_ids(model, inputs, labels)
-            outputs = model(**inputs)
+            outputs = self.forward_for_loss(model, inputs, labels)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
             if teacher_logits is not None:
                 loss = distillation_loss(
@@ -158,6 +158,13 @@ class TricksTrainer(Trainer):
         super()._set_signature_columns_if_needed()
         if "teacher_logits" not in self._signature_columns:
             self._signature_columns.append("teacher_logits")
+
+    def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
+        """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
+
+        Extension point: Seq2SeqTricksTrainer runs scheduled sampling's two decoder passes here.
+        """
+        return model(**inputs)
 
     def compute_tricks_loss(
         self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None

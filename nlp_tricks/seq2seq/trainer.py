@@ -23,7 +23,7 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
     Takes :class:`~nlp_tricks.seq2seq.Seq2SeqTricksArguments`. On top of TricksTrainer it wires:
 
     - Scheduled sampling (``--scheduled_sampling``, ``--ss_k``, ``--ss_min_ratio``, ``--ss_mode``,
-      ``--ss_temperature``): in training, :meth:`compute_loss` runs the encoder once, the decoder teacher-forced under
+      ``--ss_temperature``): in training, :meth:`forward_for_loss` runs the encoder once, the decoder teacher-forced under
       ``no_grad``, mixes its predictions into the decoder input with probability ``1 - ratio`` and takes the configured
       loss (any ``loss_type``, exact gradient accumulation) on a second decoder pass. The ratio is read at
       ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``. Evaluation is
@@ -102,30 +102,21 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
 
     # ---- Scheduled sampling ----------------------------------------------------------------------------------------
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        """TricksTrainer's loss; with scheduled sampling in training, on the second pass over the mixed input."""
-        labels = inputs.get("labels")
-        if self.scheduled_sampler is None or not model.training or labels is None or labels.is_floating_point():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
+        """In training with scheduled sampling, the second decoder pass over the mixed input; else the plain forward.
+
+        TricksTrainer.compute_loss then applies the configured loss (any ``loss_type``, exact accumulation).
+        """
+        if self.scheduled_sampler is None or not model.training:
+            return super().forward_for_loss(model, inputs, labels)
         ratio = self.scheduled_sampler.ratio(self.state.global_step)
         self.record_metric("teacher_forcing_ratio", ratio)
         if ratio >= 1.0:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        num_items = self._normalizer(num_items_in_batch)
-        self._add_decoder_input_ids(model, inputs, labels)
+            return super().forward_for_loss(model, inputs, labels)
         # The encoder and pass 1 run on the unwrapped model (no DDP forward without a backward), under the autocast
         # accelerate otherwise applies in the wrapped forward; pass 2 goes through the wrapper.
         with self.accelerator.autocast():
-            outputs = scheduled_sampling_forward(
+            return scheduled_sampling_forward(
                 self.accelerator.unwrap_model(model),
                 inputs,
                 labels,
@@ -134,8 +125,3 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
                 temperature=self.args.ss_temperature,
                 forward=model,
             )
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
-        if num_items is not None:
-            loss = loss * self._loss_scale_for_devices()
-        return (loss, outputs) if return_outputs else loss
