@@ -23,11 +23,11 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
     Takes :class:`~nlp_tricks.seq2seq.Seq2SeqTricksArguments`. On top of TricksTrainer it wires:
 
     - Scheduled sampling (``--scheduled_sampling``, ``--ss_k``, ``--ss_min_ratio``, ``--ss_mode``,
-      ``--ss_temperature``): in training, :meth:`forward_for_loss` runs the encoder once, the decoder teacher-forced under
-      ``no_grad``, mixes its predictions into the decoder input with probability ``1 - ratio`` and takes the configured
-      loss (any ``loss_type``, exact gradient accumulation) on a second decoder pass. The ratio is read at
-      ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``. Evaluation is
-      teacher-forced as usual.
+      ``--ss_temperature``): in training, :meth:`forward_for_loss` runs the encoder once, the decoder teacher-forced
+      under ``no_grad``, mixes its predictions into the decoder input with probability ``1 - ratio``, and the
+      configured loss (any ``loss_type``, exact gradient accumulation) is taken on a second decoder pass. The ratio
+      is read at ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``.
+      Evaluation is teacher-forced as usual.
     - Weight tying (``--tie_encoder_decoder embeddings|all``): applied to the model when the trainer is built (or by
       ``model_init``). A model reloaded from a tied checkpoint (its config records the scope) is tied again even with
       ``tie_encoder_decoder='none'``. The first training log holds ``unique_parameters`` (and
