@@ -11,7 +11,10 @@ perturbation is added to the embedding module's *output* through a forward hook 
   gradients accumulated over earlier micro-batches), and frozen embeddings (LoRA / PEFT) are attacked all the same;
 - with input and output embeddings tied, only the input side is perturbed;
 - no parameter gradient is backed up: PGD's intermediate passes take ``torch.autograd.grad`` with respect to the
-  perturbation only, which also skips every weight-gradient product.
+  perturbation only, which also skips every weight-gradient product;
+- the adversarial backward adds its word-embedding gradient to ``weight.grad`` as a sparse tensor (the rows the
+  batch used), where the stock embedding backward would build and add another dense vocab x dim gradient: the
+  attack's cost does not grow with the vocabulary.
 
 These classes know nothing of the Trainer; :class:`~nlp_tricks.TricksTrainer` wires them in with
 ``--adversarial fgm|pgd``.
@@ -68,6 +71,52 @@ def _modules_sharing_weight(model: nn.Module, module: nn.Module) -> list[nn.Modu
             if isinstance(other, nn.Embedding) or type(other) is type(module):
                 found.append(other)
     return found
+
+
+class _SparseWeightGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward gives the weight a sparse gradient: the looked-up rows only.
+
+    Used in the adversarial pass when ``weight.grad`` already holds the clean dense gradient: autograd then adds
+    the sparse rows into it in place (O(batch tokens x dim)), the same sum the stock backward makes by building a
+    dense vocab x dim gradient first. Parameter hooks (DDP's all-reduce) fire as usual and see the dense sum.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.weight_shape = weight.shape
+        ctx.padding_idx = padding_idx
+        return nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        ids = ids.reshape(-1)
+        rows = grad_output.reshape(ids.numel(), -1)
+        if ctx.padding_idx is not None:  # as the stock backward: the padding row gets no gradient
+            rows = rows.masked_fill((ids == ctx.padding_idx).unsqueeze(-1), 0)
+        grad = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, ctx.weight_shape, check_invariants=False)
+        return grad, None, None
+
+
+def _sparse_grad_ok(module: nn.Module) -> bool:
+    """Whether the adversarial pass may route ``module``'s weight gradient through :class:`_SparseWeightGrad`: a plain
+    ``nn.Embedding`` lookup into a leaf weight whose ``.grad`` is a dense tensor already (so the sum stays dense).
+    Anything else (scaled or subclassed embeddings, max_norm, DataParallel replicas, FSDP / ZeRO parameters whose
+    ``.grad`` lives elsewhere) keeps the stock backward."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).forward is nn.Embedding.forward
+        and isinstance(weight, nn.Parameter)
+        and weight.is_leaf
+        and weight.requires_grad
+        and weight.grad is not None
+        and weight.grad.layout == torch.strided
+        and not weight.grad.requires_grad
+        and module.max_norm is None
+        and not module.scale_grad_by_freq
+        and not module.sparse
+    )
 
 
 @dataclass
@@ -210,6 +259,8 @@ class PGD:
         self.steps = int(steps)
         self.norm = norm
         self._mode: str | None = None
+        # Set for the last adversarial pass: the modules whose weight gradient goes through _SparseWeightGrad.
+        self._sparse: set[nn.Module] = set()
         # Written by the hook, one key per device: each DataParallel replica thread only touches its own entry.
         self._captured: dict[torch.device, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
         self._cursor: dict[torch.device, int] = {}
@@ -238,6 +289,8 @@ class PGD:
                     "the embedding module was called differently in the adversarial pass than in the clean pass; "
                     "loss_fn must run the same forward each time"
                 )
+            if module in self._sparse and torch.is_tensor(args[0]) and args[0].shape == output.shape[:-1]:
+                output = _SparseWeightGrad.apply(module.weight, args[0], module.padding_idx)
             return output + deltas[k]
         return None
 
@@ -296,6 +349,8 @@ class PGD:
                 if not ok:  # no ascent direction: the classic recipe would rerun the same pass; stop here
                     break
             self._perturb(space, delta)
+            if torch.is_grad_enabled():
+                self._sparse = {module for module in self.modules if _sparse_grad_ok(module)}
             adv = loss_fn()
             backward(adv)
             return clean.detach(), adv.detach()
@@ -303,6 +358,7 @@ class PGD:
             for handle in handles:
                 handle.remove()
             self._mode = None
+            self._sparse = set()
             self._captured, self._delta, self._cursor = {}, {}, {}
 
     def _collect(self) -> _Space:

@@ -253,6 +253,25 @@ def test_pgd_intermediate_passes_compute_no_parameter_gradient():
     assert set(computed.values()) == {2}, computed  # the clean and the last pass only
 
 
+def test_adversarial_pass_builds_no_second_dense_embedding_gradient():
+    """The stock embedding backward builds a dense vocab x dim gradient (aten::embedding_dense_backward); the
+    adversarial pass adds its rows to the clean gradient sparsely instead, so only the clean pass builds one. The
+    update itself is checked against the classic recipe above; here with ids repeated within the batch."""
+    batch = _batch(token_cls_data())
+    batch["input_ids"][:, 1:4] = batch["input_ids"][0, 1]  # one id at many positions: its row sums them
+    base = bert_token_cls()
+    ref = copy.deepcopy(base)
+    classic_fgm(ref, lambda: ref(**batch).loss, ref.bert.embeddings.word_embeddings.weight, epsilon=1.0)
+    model = copy.deepcopy(base)
+    with torch.profiler.profile() as prof:
+        FGM(model, epsilon=1.0).step(lambda: model(**batch).loss)
+    dense = [e for e in prof.events() if e.name == "aten::embedding_dense_backward"]
+    # BERT has three embedding lookups (word, position, token type): 3 in the clean pass, 2 in the adversarial one.
+    assert len(dense) == 5
+    _assert_same_grads(_grads(model), _grads(ref))
+    assert model.bert.embeddings.word_embeddings.weight.grad.layout == torch.strided
+
+
 # ---- Skips, scaling, mixed precision --------------------------------------------------------------------------------
 
 
