@@ -289,7 +289,7 @@ class PGD:
                     "the embedding module was called differently in the adversarial pass than in the clean pass; "
                     "loss_fn must run the same forward each time"
                 )
-            if module in self._sparse and torch.is_tensor(args[0]) and args[0].shape == output.shape[:-1]:
+            if module in self._sparse and args and torch.is_tensor(args[0]) and args[0].shape == output.shape[:-1]:
                 output = _SparseWeightGrad.apply(module.weight, args[0], module.padding_idx)
             return output + deltas[k]
         return None
