@@ -93,8 +93,15 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     lr_keys = sorted(k for k in keys if k.startswith("lr/")) or (["learning_rate"] if "learning_rate" in keys else [])
     if lr_keys:
         fig, ax = _figure("Learning rate per parameter group", "learning rate")
+        firsts = []
         for key in lr_keys:
-            ax.plot(*_series(history, key), label=key)
+            steps, values = _series(history, key)
+            ax.plot(steps, values, label=key)
+            firsts += values[:1]
+        # A 10x head rate would flatten the layer-wise decay of the body's groups to one line: spread them out.
+        if len(firsts) > 1 and min(firsts) > 0 and max(firsts) / min(firsts) > 3:
+            ax.set_yscale("log")
+            ax.set_ylabel("learning rate (log scale)")
         _save(fig, ax, out / "learning_rate.png", written)
 
     if "teacher_forcing_ratio" in keys:

@@ -43,3 +43,19 @@ def test_plot_missing_state_is_one_line_error(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "trainer_state.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("head_scale,log_scale", [(10.0, True), (1.0, False)])
+def test_learning_rate_plot_goes_log_when_groups_differ_by_more_than_3x(tmp_path, monkeypatch, head_scale, log_scale):
+    """A 10x head rate would squash the layer-wise decay of the other groups into one line on a linear axis."""
+    from matplotlib.axes import Axes
+
+    history = [
+        {"step": s, "lr/head": head_scale * lr, "lr/layer_0": 0.9 * lr, "lr/layer_1": lr}
+        for s, lr in ((1, 1e-4), (2, 5e-5))
+    ]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    scales = []
+    monkeypatch.setattr(Axes, "set_yscale", lambda self, value, **kw: scales.append(value))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert scales == (["log"] if log_scale else [])
