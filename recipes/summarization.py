@@ -192,14 +192,19 @@ def load_model_and_tokenizer(model_args: ModelArguments):
     return model, tokenizer
 
 
-def tokenize(examples: list[dict], tokenizer, data: DataArguments) -> Dataset:
+def tokenize(examples: list[dict], tokenizer, data: DataArguments, decoder_start: int | None = None) -> Dataset:
+    """Token ids of the documents and labels of the summaries. ``decoder_start``: the token the decoder starts from
+    ([CLS] for BERT2BERT); a label sequence that begins with it ([CLS] summary [SEP]) loses it, or the decoder would
+    learn to answer [CLS] with [CLS] and greedy generation would repeat it."""
     encodings = tokenizer(
         [data.source_prefix + ex["text"] for ex in examples], truncation=True, max_length=data.max_source_length
     )
     targets = tokenizer(
         text_target=[ex["summary"] for ex in examples], truncation=True, max_length=data.max_target_length
-    )
-    return Dataset.from_dict({**encodings, "labels": targets["input_ids"]})
+    )["input_ids"]
+    if decoder_start is not None:
+        targets = [ids[1:] if ids[:1] == [decoder_start] else ids for ids in targets]
+    return Dataset.from_dict({**encodings, "labels": targets})
 
 
 def main() -> None:
@@ -217,8 +222,10 @@ def main() -> None:
 
     # ---- Model ----
     model, tokenizer = load_model_and_tokenizer(model_args)
-    train_dataset = tokenize(train_examples, tokenizer, data_args)
-    eval_datasets = {split: tokenize(examples, tokenizer, data_args) for split, examples in eval_examples.items()}
+    # BERT2BERT starts decoding at [CLS], which BERT's tokenizer also puts first in the labels; BART / T5 keep theirs.
+    start = model.config.decoder_start_token_id if isinstance(model, EncoderDecoderModel) else None
+    train_dataset = tokenize(train_examples, tokenizer, data_args, start)
+    eval_datasets = {split: tokenize(ex, tokenizer, data_args, start) for split, ex in eval_examples.items()}
 
     rouge = load_metric("rouge")
 

@@ -85,3 +85,20 @@ def test_ner_resume_from_checkpoint_true(tiny_model, tmp_path, monkeypatch):  # 
     # Resumed at step 1: the second run logged steps 2 and 3 only (logging_steps 1).
     steps = [e["step"] for e in state["log_history"] if "loss" in e]
     assert steps == [1, 2, 3]
+
+
+def test_bert2bert_labels_do_not_repeat_the_decoder_start_token(tiny_model):  # noqa: F811
+    """BERT's tokenizer writes [CLS] summary [SEP]; BERT2BERT decoding starts at [CLS]. Kept in the labels, the
+    decoder input would be [CLS] [CLS] ... and a briefly trained model answers [CLS] with [CLS] forever."""
+    from transformers import AutoTokenizer
+
+    recipe = runpy.run_path(str(ROOT / "recipes" / "summarization.py"), run_name="summarization_recipe")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = recipe["DataArguments"](dataset_name="demo")
+    examples = [{"text": "john works at acme in paris .", "summary": "john in paris"}]
+    reference = tokenizer(text_target=["john in paris"])["input_ids"][0]
+    assert reference[0] == tokenizer.cls_token_id and reference[-1] == tokenizer.sep_token_id
+    stripped = recipe["tokenize"](examples, tokenizer, data, decoder_start=tokenizer.cls_token_id)
+    assert stripped[0]["labels"] == reference[1:]
+    kept = recipe["tokenize"](examples, tokenizer, data)  # BART / T5: their labels are left as the tokenizer wrote
+    assert kept[0]["labels"] == reference
