@@ -18,7 +18,8 @@ ratios, so the shared machine's slow drifts hit both sides of a ratio alike. Mem
 forked process; its peak resident memory above the state after building the model and the optimizer (so it counts
 gradients, AdamW state and activations), compared with plain's peak plus one pass's activations (a second pass runs
 while the first pass's gradients are held). Vocabulary: the FGM / plain time ratio at vocab 250,002 (XLM-R's)
-against 30,522 (BERT's), interleaved in one loop, and FGM's extra time over plain at each.
+against 30,522 (BERT's), interleaved in one loop with classic FGM at both, and the extra time over plain of
+FGM and of classic FGM at each.
 With ``--device cuda`` times are taken between ``torch.cuda.synchronize()`` calls and memory is the
 peak of ``torch.cuda.max_memory_allocated()`` above the model and the optimizer, each method measured in
 turn in this process.
@@ -226,8 +227,10 @@ def main():
         {
             ("plain", args.vocab): small_steps["plain"],
             ("fgm", args.vocab): small_steps["fgm"],
+            ("classic fgm", args.vocab): small_steps["classic fgm"],
             ("plain", args.large_vocab): large_steps["plain"],
             ("fgm", args.large_vocab): large_steps["fgm"],
+            ("classic fgm", args.large_vocab): large_steps["classic fgm"],
         },
         args.repeats,
     )
@@ -236,6 +239,9 @@ def main():
     vt = {label: statistics.median(t) for label, t in vocab_rounds.items()}
     extra_small = vt[("fgm", args.vocab)] - vt[("plain", args.vocab)]
     extra_large = vt[("fgm", args.large_vocab)] - vt[("plain", args.large_vocab)]
+    classic_extra_small = vt[("classic fgm", args.vocab)] - vt[("plain", args.vocab)]
+    classic_extra_large = vt[("classic fgm", args.large_vocab)] - vt[("plain", args.large_vocab)]
+    fgm_x_classic_large = paired_ratio(vocab_rounds, ("fgm", args.large_vocab), ("classic fgm", args.large_vocab))
 
     rows = []
     for method, seconds in times.items():
@@ -259,6 +265,9 @@ def main():
         "vocab_ratio_change": ratio_large / ratio_small - 1,
         f"fgm_extra_s_vocab_{args.vocab}": extra_small,
         f"fgm_extra_s_vocab_{args.large_vocab}": extra_large,
+        f"classic_fgm_extra_s_vocab_{args.vocab}": classic_extra_small,
+        f"classic_fgm_extra_s_vocab_{args.large_vocab}": classic_extra_large,
+        f"fgm_x_classic_fgm_vocab_{args.large_vocab}": fgm_x_classic_large,
     }
     if args.json:  # rows in the contract of benchmarks/run_all.py
         out = [
@@ -273,6 +282,9 @@ def main():
              "ratio": goals["pgd3_x_classic_pgd3"], "median_ms": 1000 * times["pgd3"]},
             {"benchmark": "adversarial", "case": f"fgm, vocab {args.large_vocab}",
              "baseline": f"plain, vocab {args.large_vocab}", "ratio": ratio_large,
+             "median_ms": 1000 * vt[("fgm", args.large_vocab)]},
+            {"benchmark": "adversarial", "case": f"fgm, vocab {args.large_vocab}",
+             "baseline": f"classic fgm, vocab {args.large_vocab}", "ratio": fgm_x_classic_large,
              "median_ms": 1000 * vt[("fgm", args.large_vocab)]},
         ]  # fmt: skip
         print(json.dumps(out))
@@ -307,6 +319,11 @@ def main():
         f"FGM / plain at vocab {args.vocab}: {ratio_small:.2f}x, at {args.large_vocab}: {ratio_large:.2f}x "
         f"({100 * goals['vocab_ratio_change']:+.1f}%; goal within 5%); FGM's extra time over plain: "
         f"{extra_small:.2f} s at {args.vocab}, {extra_large:.2f} s at {args.large_vocab}"
+    )
+    print(
+        f"Classic FGM's extra time over plain: {classic_extra_small:.2f} s at {args.vocab}, "
+        f"{classic_extra_large:.2f} s at {args.large_vocab}; FGM / classic FGM at {args.large_vocab}: "
+        f"{fgm_x_classic_large:.2f}x"
     )
 
 
