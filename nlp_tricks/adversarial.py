@@ -119,6 +119,14 @@ def _sparse_grad_ok(module: nn.Module) -> bool:
     )
 
 
+def _lookup_ids(args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """The token ids the embedding call looked up (its first argument), or None when it was not an id lookup."""
+    ids = args[0] if args and torch.is_tensor(args[0]) else None
+    if ids is None or ids.is_floating_point() or ids.shape != output.shape[:-1]:
+        return None
+    return ids
+
+
 @dataclass
 class _Call:
     """One call of the embedding module in a forward pass: where its positions sit in the flattened batch."""
@@ -275,10 +283,7 @@ class PGD:
                 output.retain_grad()
             else:  # frozen embedding: its output is a leaf, so it can be asked for a gradient directly
                 output.requires_grad_()
-            ids = args[0] if args and torch.is_tensor(args[0]) else None
-            if ids is not None and (ids.is_floating_point() or ids.shape != output.shape[:-1]):
-                ids = None
-            self._captured.setdefault(output.device, []).append((ids, output))
+            self._captured.setdefault(output.device, []).append((_lookup_ids(args, output), output))
             return None
         if self._mode == "perturb":
             k = self._cursor.get(output.device, 0)
@@ -289,8 +294,9 @@ class PGD:
                     "the embedding module was called differently in the adversarial pass than in the clean pass; "
                     "loss_fn must run the same forward each time"
                 )
-            if module in self._sparse and args and torch.is_tensor(args[0]) and args[0].shape == output.shape[:-1]:
-                output = _SparseWeightGrad.apply(module.weight, args[0], module.padding_idx)
+            ids = _lookup_ids(args, output) if module in self._sparse else None
+            if ids is not None:
+                output = _SparseWeightGrad.apply(module.weight, ids, module.padding_idx)
             return output + deltas[k]
         return None
 
