@@ -347,10 +347,12 @@ def test_target_by_name_and_errors():
 # ---- In TricksTrainer -----------------------------------------------------------------------------------------------
 
 
-def _train(tmp_path, model, data, **overrides):
+def _train(tmp_path, model, data, grad_scaler=None, **overrides):
     kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, train_sampling_strategy="sequential")
     kwargs.update(overrides)
     trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **kwargs), train_dataset=data)
+    if grad_scaler is not None:  # see test_trainer_with_grad_scaler_equals_classic_recipe
+        trainer.accelerator.scaler = grad_scaler
     trainer.train()
     return trainer
 
@@ -506,6 +508,72 @@ def test_trainer_bf16_autocast_on_cpu(tmp_path):
         torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
         bf16_effect = max(bf16_effect, float((fp32.get_parameter(name) - p).detach().abs().max()))
     assert bf16_effect > 1e-4
+
+
+# Accelerate builds its fp16 GradScaler only on CUDA (on the CPU `--fp16` trains in fp32; tests/gpu cover CUDA). The
+# Trainer's fp16 path past that point is device-independent: the scaled backward, the attack on scaled gradients,
+# the scaler's unscale / skip inside the optimizer step and the skip count. Here a CPU GradScaler is handed to the
+# accelerator before training (`_train(grad_scaler=...)`), so CI runs that path. (No clipping: Accelerate unscales
+# before clipping only when it built the scaler for fp16 itself.)
+
+
+@pytest.mark.parametrize(
+    "method,attack",
+    [
+        ("fgm", lambda m, f, w: classic_fgm(m, f, w, epsilon=1.0)),
+        ("pgd", lambda m, f, w: classic_pgd(m, f, w, epsilon=1.0, alpha=0.6, steps=3)),
+    ],
+)
+def test_trainer_with_grad_scaler_equals_classic_recipe(tmp_path, method, attack):
+    """Reference: the unscaled classic recipe. A power-of-two scale is exact in float32 and cancels in g / ||g||; a
+    backward that bypassed the scaler would be unscaled by 1/4096 in the optimizer step and fail here."""
+    data = token_cls_data(n=8)
+    base = bert_token_cls()
+    ref = copy.deepcopy(base)
+    _classic_sgd_step(ref, data, micro_batch=4, lr=0.5, max_grad_norm=0.0, attack=attack)
+    model = copy.deepcopy(base)
+    trainer = _train(
+        tmp_path,
+        model,
+        data,
+        grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.0,
+        adversarial=method,
+        adv_epsilon=1.0,
+        adv_alpha=0.6,
+        adv_steps=3,
+    )
+    assert trainer.accelerator.scaler.get_scale() == 2.0**12  # no overflow: the step was taken, the scale kept
+    for name, p in ref.named_parameters():
+        # Summation order differs (Trainer vs reference): float32 round-off only.
+        torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_trainer_with_grad_scaler_skips_and_counts_an_overflow_step(tmp_path):
+    """The first micro-batch overflows (as an fp16 activation does): its attack is skipped and counted, the scaler
+    skips the optimizer step and halves its scale; the next steps are attacked and applied."""
+    model = bert_token_cls()
+    calls = []
+
+    def overflow_first_call(module, args, output):
+        calls.append(1)
+        return output * 1e39 if len(calls) == 1 else None  # inf in float32
+
+    model.bert.encoder.layer[0].output.dense.register_forward_hook(overflow_first_call)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    settings = dict(max_steps=3, learning_rate=1e-3, max_grad_norm=0.0, adversarial="fgm")
+    trainer = _train(tmp_path, model, token_cls_data(n=8), scaler, **settings)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["adv_skipped"] for h in logs] == [1, 1, 1]  # a running count
+    assert "loss_adv" not in logs[0] and all(h["loss_adv"] > h["loss_clean"] for h in logs[1:])
+    assert len(calls) == 1 + 2 + 2  # step 1: the clean pass only; steps 2 and 3: clean + adversarial
+    assert trainer.accelerator.scaler.get_scale() == 2.0**11
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    changed = [name for name, p in model.named_parameters() if not torch.equal(before[name], p)]
+    assert changed == list(before)  # steps 2 and 3 were applied
 
 
 @pytest.mark.parametrize(
