@@ -14,13 +14,13 @@ shape). Methods:
   embedding weight, add ``eps * g / ||g||`` to it, rerun, restore; PGD also backs up and restores every parameter
   gradient and runs full backwards in its intermediate steps.
 
-Time: the median over interleaved rounds (the order rotates each round); ratios are medians of the per-round
-ratios, so the shared machine's slow drifts hit both sides of a ratio alike. Memory: each method runs in a fresh
+Time: the median over interleaved rounds (the order rotates each round); ratios are medians of the per-round ratios, so
+the shared machine's slow drifts hit both sides of a ratio alike (``_timing.py``). Memory: each method runs in a fresh
 forked process; its peak resident memory above the state after building the model and the optimizer (so it counts
 gradients, AdamW state and activations), compared with plain's peak plus one pass's activations (a second pass runs
-while the first pass's gradients are held). Vocabulary: the FGM / plain time ratio at vocab 250,002 (XLM-R's)
-against 30,522 (BERT's), interleaved in one loop with classic FGM at both, and the extra time over plain of
-FGM and of classic FGM at each.
+while the first pass's gradients are held). Vocabulary: the FGM / plain time ratio at vocab 250,002 (XLM-R's) against
+30,522 (BERT's), interleaved in one loop with classic FGM at both, and the extra time over plain of FGM and of classic
+FGM at each.
 With ``--device cuda`` times are taken between ``torch.cuda.synchronize()`` calls and memory is the
 peak of ``torch.cuda.max_memory_allocated()`` above the model and the optimizer, each method measured in
 turn in this process.
@@ -34,9 +34,9 @@ import json
 import multiprocessing
 import resource
 import statistics
-import time
 
 import torch
+from _timing import paired_ratio, time_interleaved
 from transformers import BertConfig, BertForTokenClassification
 
 from nlp_tricks import FGM, PGD
@@ -118,33 +118,6 @@ def make_steps(model, optimizer, inputs):
         "classic fgm": lambda: (classic_fgm_step(model, loss_fn, weight), finish()),
         "classic pgd3": lambda: (classic_pgd_step(model, loss_fn, weight), finish()),
     }
-
-
-def _synchronize():
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def time_interleaved(step_sets, repeats):
-    """Seconds per step of every (label, step), per round: interleaved, order rotating per round, one warm-up each."""
-    labels = list(step_sets)
-    for label in labels:
-        step_sets[label]()
-    times = {label: [] for label in labels}
-    for r in range(repeats):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]
-        for label in order:
-            _synchronize()
-            start = time.perf_counter()
-            step_sets[label]()
-            _synchronize()
-            times[label].append(time.perf_counter() - start)
-    return times
-
-
-def paired_ratio(times, a, b):
-    """Median over rounds of time(a) / time(b) in the same round: robust to the machine's slow drifts."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def _rss_bytes():

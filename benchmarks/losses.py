@@ -3,24 +3,25 @@
     python benchmarks/losses.py                 # (8192, 32000) float32 logits, the README's numbers
     python benchmarks/losses.py --quick         # small shapes, seconds
 
-Forward + backward of each loss on the same logits. Time: the median over interleaved repeats (the machine's noise
-hits every loss alike). Memory: each loss runs once in a fresh subprocess; its peak resident memory above the state
-before the loss (logits and labels allocated), in units of one logits-sized buffer. Cross-entropy itself needs
-about three (its saved log-softmax, the gradient buffer it builds, and logits.grad).
+Forward + backward of each loss on the same logits. Time: the median over interleaved rounds in a rotating order;
+ratios are medians of the per-round ratios (``_timing.py``). Memory: each loss runs once in a fresh subprocess; its
+peak resident memory above the state before the loss (logits and labels allocated), in units of one logits-sized
+buffer. Cross-entropy itself needs about three (its saved log-softmax, the gradient buffer it builds, and logits.grad).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import paired_ratio, time_interleaved
 
 from nlp_tricks.losses import focal_loss, label_smoothing_cross_entropy
 
@@ -83,14 +84,7 @@ def main():
         return
 
     logits, labels = _inputs(args.rows, args.classes)
-    times = {name: [] for name in LOSSES}
-    for name in LOSSES:  # warm-up
-        _step(name, logits, labels)
-    for _ in range(args.repeats):
-        for name in LOSSES:
-            start = time.perf_counter()
-            _step(name, logits, labels)
-            times[name].append(time.perf_counter() - start)
+    times = time_interleaved({name: functools.partial(_step, name, logits, labels) for name in LOSSES}, args.repeats)
     del logits, labels
 
     memory = {}
@@ -103,7 +97,6 @@ def main():
         )
         memory[name] = float(out.stdout.strip().splitlines()[-1])
 
-    base_time = statistics.median(times["cross_entropy"])
     rows = []
     for name in LOSSES:
         t = statistics.median(times[name])
@@ -113,7 +106,7 @@ def main():
                 "case": name,
                 "baseline": "cross_entropy",
                 "median_ms": 1000 * t,
-                "ratio": t / base_time,
+                "ratio": paired_ratio(times, name, "cross_entropy"),
                 "buffers": memory[name],
                 "extra_buffers_vs_ce": memory[name] - memory["cross_entropy"],
             }

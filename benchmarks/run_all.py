@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated benchmark file stems to run")
     args = parser.parse_args(argv)
 
-    scripts = sorted(p for p in HERE.glob("*.py") if p.name not in ("run_all.py", "__init__.py"))
+    # _timing.py and other underscored files are helpers, not benchmarks.
+    scripts = sorted(p for p in HERE.glob("*.py") if p.name != "run_all.py" and not p.name.startswith("_"))
     if args.only:
         scripts = [p for p in scripts if p.stem in args.only.split(",")]
     rows, failed = [], []

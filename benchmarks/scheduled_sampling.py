@@ -14,19 +14,21 @@ left out, so the ratios are the strictest). Variants, on the same model and batc
   (tokens x vocab) @ (vocab x d_model) product and its backward).
 - naive: pass 1 reruns the whole model (encoder included) under no_grad, then a full forward on the mixed input.
 
-Time: the median over interleaved repeats (the machine's noise hits every variant alike), on CPU (or, with
-``--device cuda``, on the GPU between ``torch.cuda.synchronize()`` calls).
+Time: the median over interleaved rounds, the order rotating each round; the ratio to teacher forcing is the median
+of the per-round ratios (``_timing.py``), on CPU (or, with ``--device cuda``, on the GPU between
+``torch.cuda.synchronize()`` calls).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import paired_ratio, time_interleaved
 from transformers import BartConfig, BartForConditionalGeneration
 
 from nlp_tricks.seq2seq.scheduled_sampling import mix_decoder_inputs, replacement_mask, scheduled_sampling_forward
@@ -96,14 +98,7 @@ VARIANTS = {
 
 def step(fn, model, inputs, labels):
     model.zero_grad(set_to_none=True)
-    cuda = labels.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
     _loss(fn(model, inputs, labels), labels).backward()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main():
@@ -121,12 +116,8 @@ def main():
         torch.set_num_threads(args.threads)
 
     model, inputs, labels = build(cfg, args.device)
-    for fn in VARIANTS.values():  # warm-up
-        step(fn, model, inputs, labels)
-    times = {name: [] for name in VARIANTS}
-    for _ in range(cfg["repeats"]):
-        for name, fn in VARIANTS.items():
-            times[name].append(step(fn, model, inputs, labels))
+    steps = {name: functools.partial(step, fn, model, inputs, labels) for name, fn in VARIANTS.items()}
+    times = time_interleaved(steps, cfg["repeats"])
 
     shape = (
         f"BART d_model {cfg['d_model']}, {cfg['layers']}+{cfg['layers']} layers, vocab {cfg['vocab']}, batch "
@@ -134,11 +125,10 @@ def main():
         f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else f'{torch.get_num_threads()} threads'}; "
         f"median of {cfg['repeats']}"
     )
-    base = statistics.median(times["teacher_forcing"])
     if args.json:
         rows = [
             {"benchmark": "scheduled_sampling", "case": name, "baseline": "teacher_forcing",
-             "ratio": statistics.median(ts) / base, "median_ms": 1000 * statistics.median(ts)}
+             "ratio": paired_ratio(times, name, "teacher_forcing"), "median_ms": 1000 * statistics.median(ts)}
             for name, ts in times.items()
         ]  # fmt: skip
         print(json.dumps(rows))
@@ -148,7 +138,7 @@ def main():
     print("|---|---|---|")
     for name, ts in times.items():
         median = statistics.median(ts)
-        print(f"| {name} | {median:.3f} | {median / base:.2f} |")
+        print(f"| {name} | {median:.3f} | {paired_ratio(times, name, 'teacher_forcing'):.2f} |")
 
 
 if __name__ == "__main__":
