@@ -143,6 +143,34 @@ def test_soft_mode_with_one_hot_probabilities_equals_feeding_the_ids(make_model)
     torch.testing.assert_close(via_embeds, via_ids)
 
 
+@pytest.mark.parametrize("make_model", [lambda: bart_lm(scale_embedding=True), t5_lm], ids=["bart_scaled", "t5"])
+def test_soft_mode_equals_the_expected_embedding_written_out(make_model):
+    """Reference: softmax(logits[t-1] / T) @ E at every position, gold where the mask is False (position 0 always
+    gold). Values and the embedding weight's gradient must match; mix_decoder_inputs only computes the product at the
+    replaced positions, so the sums run in another order: float32 round-off."""
+    model = make_model()
+    batch = _batch(4)
+    labels = batch.pop("labels")
+    ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(*ids.shape, VOCAB, generator=g) * 3.0
+    mask = replacement_mask(labels, 0.5, generator=g)
+    assert mask[:, 1:].any() and not mask[:, 1:].all()
+    embedding = model.get_decoder().get_input_embeddings()
+    weight = embedding.weight
+    matrix = embedding(torch.arange(VOCAB))  # any scaling included
+    gold = embedding(ids)
+    expected = torch.softmax(logits[:, :-1] / 2.0, dim=-1) @ matrix
+    expected = torch.where(mask.unsqueeze(-1), torch.cat([gold[:, :1], expected], dim=1), gold)
+    probe = torch.randn(expected.shape, generator=g)
+    (expected_grad,) = torch.autograd.grad((expected * probe).sum(), weight)
+    got = mix_decoder_inputs(ids, logits, mask, mode="soft", temperature=2.0, embedding=embedding)
+    embeds = got["decoder_inputs_embeds"]
+    (grad,) = torch.autograd.grad((embeds * probe).sum(), weight)
+    torch.testing.assert_close(embeds, expected)
+    torch.testing.assert_close(grad, expected_grad)
+
+
 # ---- Two-pass forward ---------------------------------------------------------------------------------------------
 
 

@@ -169,11 +169,13 @@ def mix_decoder_inputs(
     if mode == "soft":
         if embedding is None:
             raise ValueError("mode='soft' needs the decoder's input embedding module (embedding=...)")
-        probs = torch.softmax(previous.float() / temperature, dim=-1)
-        matrix = _embedding_matrix(embedding, logits.shape[-1], logits.device)
         gold = embedding(decoder_input_ids)
-        soft = torch.cat([gold[:, :1], (probs.to(matrix.dtype) @ matrix).to(gold.dtype)], dim=1)
-        return {"decoder_inputs_embeds": torch.where(mask.unsqueeze(-1), soft, gold)}
+        # Only the replaced positions (never position 0) need the (positions x vocab) @ (vocab x d) product.
+        replace = mask[:, 1:].unsqueeze(-1)
+        probs = torch.softmax(previous[replace.squeeze(-1)].float() / temperature, dim=-1)
+        matrix = _embedding_matrix(embedding, logits.shape[-1], logits.device)
+        soft = (probs.to(matrix.dtype) @ matrix).to(gold.dtype)
+        return {"decoder_inputs_embeds": torch.cat([gold[:, :1], gold[:, 1:].masked_scatter(replace, soft)], dim=1)}
     if mode == "argmax":
         predicted = previous.argmax(dim=-1)
     else:
