@@ -1,6 +1,6 @@
 """Time of one scheduled-sampling training step against teacher forcing and a naive two-pass version, side by side.
 
-    python benchmarks/scheduled_sampling.py --threads 1   # the README's numbers
+    python benchmarks/scheduled_sampling.py --threads 1 --repeats 15   # the README's numbers
     python benchmarks/scheduled_sampling.py            # BART d_model 256, 3+3 layers, vocab 32k, batch 16, 256 -> 64
     python benchmarks/scheduled_sampling.py --quick    # tiny BART, seconds
     python benchmarks/scheduled_sampling.py --device cuda   # on the GPU (scripts/gpu_check.sh)
