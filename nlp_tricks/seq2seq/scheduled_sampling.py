@@ -171,11 +171,12 @@ def mix_decoder_inputs(
             raise ValueError("mode='soft' needs the decoder's input embedding module (embedding=...)")
         gold = embedding(decoder_input_ids)
         # Only the replaced positions (never position 0) need the (positions x vocab) @ (vocab x d) product.
-        replace = mask[:, 1:].unsqueeze(-1)
-        probs = torch.softmax(previous[replace.squeeze(-1)].float() / temperature, dim=-1)
+        replace = mask[:, 1:]
+        probs = torch.softmax(previous[replace].float() / temperature, dim=-1)
         matrix = _embedding_matrix(embedding, logits.shape[-1], logits.device)
         soft = (probs.to(matrix.dtype) @ matrix).to(gold.dtype)
-        return {"decoder_inputs_embeds": torch.cat([gold[:, :1], gold[:, 1:].masked_scatter(replace, soft)], dim=1)}
+        tail = gold[:, 1:].masked_scatter(replace.unsqueeze(-1), soft)
+        return {"decoder_inputs_embeds": torch.cat([gold[:, :1], tail], dim=1)}
     if mode == "argmax":
         predicted = previous.argmax(dim=-1)
     else:
