@@ -351,7 +351,7 @@ def _train(tmp_path, model, data, grad_scaler=None, **overrides):
     kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, train_sampling_strategy="sequential")
     kwargs.update(overrides)
     trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **kwargs), train_dataset=data)
-    if grad_scaler is not None:  # see test_trainer_with_grad_scaler_equals_classic_recipe
+    if grad_scaler is not None:  # see the comment above test_trainer_with_grad_scaler_equals_classic_recipe
         trainer.accelerator.scaler = grad_scaler
     trainer.train()
     return trainer
@@ -384,28 +384,31 @@ def _classic_sgd_step(model, data, micro_batch, lr, max_grad_norm, attack):
             p -= lr * p.grad
 
 
-@pytest.mark.parametrize(
+# The classic attacks, as `_classic_sgd_step` runs them, beside the Trainer's `adversarial` value.
+CLASSIC_ATTACKS = pytest.mark.parametrize(
     "method,attack",
     [
         ("fgm", lambda m, f, w: classic_fgm(m, f, w, epsilon=1.0)),
         ("pgd", lambda m, f, w: classic_pgd(m, f, w, epsilon=1.0, alpha=0.6, steps=3)),
     ],
 )
-def test_trainer_step_equals_classic_recipe_with_accumulation_and_clipping(tmp_path, method, attack):
-    """2 micro-batches of 4 (label counts differ), clipping on: the Trainer clips the summed clean + adversarial
-    gradient. The per-micro-batch attack uses that micro-batch's gradient only, as the reference does."""
+
+
+def _assert_trainer_step_equals_classic(tmp_path, method, attack, max_grad_norm, grad_scaler=None):
+    """One Trainer step on 2 micro-batches of 4 (label counts differ) against `_classic_sgd_step`."""
     data = token_cls_data(n=8)
     base = bert_token_cls()
     ref = copy.deepcopy(base)
-    _classic_sgd_step(ref, data, micro_batch=4, lr=0.5, max_grad_norm=0.5, attack=attack)
+    _classic_sgd_step(ref, data, micro_batch=4, lr=0.5, max_grad_norm=max_grad_norm, attack=attack)
     model = copy.deepcopy(base)
     _train(
         tmp_path,
         model,
         data,
+        grad_scaler,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
-        max_grad_norm=0.5,
+        max_grad_norm=max_grad_norm,
         adversarial=method,
         adv_epsilon=1.0,
         adv_alpha=0.6,
@@ -414,6 +417,13 @@ def test_trainer_step_equals_classic_recipe_with_accumulation_and_clipping(tmp_p
     for name, p in ref.named_parameters():
         # Summation order differs (Trainer vs reference): float32 round-off only.
         torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@CLASSIC_ATTACKS
+def test_trainer_step_equals_classic_recipe_with_accumulation_and_clipping(tmp_path, method, attack):
+    """Clipping on: the Trainer clips the summed clean + adversarial gradient. The per-micro-batch attack uses that
+    micro-batch's gradient only, as the reference does."""
+    _assert_trainer_step_equals_classic(tmp_path, method, attack, max_grad_norm=0.5)
 
 
 @pytest.mark.parametrize("norm", ["example", "token"])
@@ -517,38 +527,13 @@ def test_trainer_bf16_autocast_on_cpu(tmp_path):
 # before clipping only when it built the scaler for fp16 itself.)
 
 
-@pytest.mark.parametrize(
-    "method,attack",
-    [
-        ("fgm", lambda m, f, w: classic_fgm(m, f, w, epsilon=1.0)),
-        ("pgd", lambda m, f, w: classic_pgd(m, f, w, epsilon=1.0, alpha=0.6, steps=3)),
-    ],
-)
+@CLASSIC_ATTACKS
 def test_trainer_with_grad_scaler_equals_classic_recipe(tmp_path, method, attack):
     """Reference: the unscaled classic recipe. A power-of-two scale is exact in float32 and cancels in g / ||g||; a
     backward that bypassed the scaler would be unscaled by 1/4096 in the optimizer step and fail here."""
-    data = token_cls_data(n=8)
-    base = bert_token_cls()
-    ref = copy.deepcopy(base)
-    _classic_sgd_step(ref, data, micro_batch=4, lr=0.5, max_grad_norm=0.0, attack=attack)
-    model = copy.deepcopy(base)
-    trainer = _train(
-        tmp_path,
-        model,
-        data,
-        grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_grad_norm=0.0,
-        adversarial=method,
-        adv_epsilon=1.0,
-        adv_alpha=0.6,
-        adv_steps=3,
-    )
-    assert trainer.accelerator.scaler.get_scale() == 2.0**12  # no overflow: the step was taken, the scale kept
-    for name, p in ref.named_parameters():
-        # Summation order differs (Trainer vs reference): float32 round-off only.
-        torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    _assert_trainer_step_equals_classic(tmp_path, method, attack, max_grad_norm=0.0, grad_scaler=scaler)
+    assert scaler.get_scale() == 2.0**12  # no overflow: the step was taken, the scale kept
 
 
 def test_trainer_with_grad_scaler_skips_and_counts_an_overflow_step(tmp_path):
