@@ -29,9 +29,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FGM", "PGD", "ADV_NORMS", "resolve_embedding_module"]
+__all__ = ["FGM", "PGD", "ADV_NORMS", "resolve_embedding_module", "validate_attack"]
 
 ADV_NORMS = ("global", "example", "token")
+
+
+def validate_attack(
+    epsilon: float, alpha: float, steps: int, norm: str, names=("epsilon", "alpha", "steps", "norm")
+) -> None:
+    """Raise ``ValueError`` naming the argument (``names``: what the caller calls them) for an invalid attack."""
+    eps_name, alpha_name, steps_name, norm_name = names
+    if not epsilon > 0:
+        raise ValueError(f"{eps_name}={epsilon} is not allowed; it must be > 0")
+    if not alpha > 0:
+        raise ValueError(f"{alpha_name}={alpha} is not allowed; it must be > 0")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"{steps_name}={steps} is not allowed; it must be an integer >= 1")
+    if norm not in ADV_NORMS:
+        raise ValueError(f"{norm_name}={norm!r} is not allowed; choose one of {', '.join(map(repr, ADV_NORMS))}")
 
 
 def resolve_embedding_module(model: nn.Module, target: str | None = None) -> nn.Module:
@@ -251,14 +266,7 @@ class PGD:
         norm: str = "global",
         target: str | None = None,
     ):
-        if not epsilon > 0:
-            raise ValueError(f"epsilon={epsilon} is not allowed; it must be > 0")
-        if not alpha > 0:
-            raise ValueError(f"alpha={alpha} is not allowed; it must be > 0")
-        if int(steps) != steps or steps < 1:
-            raise ValueError(f"steps={steps} is not allowed; it must be an integer >= 1")
-        if norm not in ADV_NORMS:
-            raise ValueError(f"norm={norm!r} is not allowed; choose one of {', '.join(map(repr, ADV_NORMS))}")
+        validate_attack(epsilon, alpha, steps, norm)
         self.model = model
         self.module = resolve_embedding_module(model, target)
         self.modules = _modules_sharing_weight(model, self.module)

@@ -1,4 +1,4 @@
-"""Portable, strict, safe checkpoint loading, and the checks that find the newest complete Trainer checkpoint."""
+"""Portable, strict, safe checkpoint loading: any state-dict file or folder into any model, on any device."""
 
 from __future__ import annotations
 
@@ -6,24 +6,16 @@ import json
 import logging
 import os
 import pickle
-import re
-import struct
-import zipfile
 from collections.abc import Mapping
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
 
 __all__ = [
     "load_state_dict_portable",
     "read_state_dict",
     "is_state_dict_file",
     "CheckpointMismatchError",
-    "checkpoint_problem",
-    "get_last_complete_checkpoint",
-    "TrickStateCallback",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,8 +32,6 @@ WEIGHTS_FILES = (
     "pytorch_model.bin.index.json",
 )
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-TRAINER_STATE_NAME = "trainer_state.json"
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 MAX_LISTED = 10
 
 
@@ -289,145 +279,3 @@ def _first(items) -> str:
     items = list(items)
     shown = ", ".join(items[:MAX_LISTED])
     return shown + (f", ... (first {MAX_LISTED} of {len(items)})" if len(items) > MAX_LISTED else "")
-
-
-# ---- Checkpoint folders ----------------------------------------------------------------------------------------
-
-
-def checkpoint_problem(folder: str | os.PathLike) -> str | None:
-    """What makes a Trainer checkpoint folder unusable for resuming, or ``None`` when it is complete.
-
-    Complete means: ``trainer_state.json`` (the Trainer writes it last) parses; model weights are present
-    (``model.safetensors``, ``pytorch_model.bin``, their sharded indexes with every shard, an adapter, or a
-    DeepSpeed / FSDP layout); and every weight, optimizer, scheduler, scaler and RNG file in the folder is intact:
-    a safetensors file as long as its header promises, a torch file with a readable zip directory whose members lie
-    inside the file. These checks read headers only, so they take milliseconds on any model size; a crash truncates
-    files, which they catch, while bytes flipped inside a file are not checksummed here.
-    """
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        return "not a folder"
-    names = set(os.listdir(folder))
-    if TRAINER_STATE_NAME not in names:
-        return f"{TRAINER_STATE_NAME} is missing (the Trainer writes it last, so the save did not finish)"
-    for name in sorted(names):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        if name.endswith(".json"):
-            problem = _json_problem(path)
-        elif name.endswith(".safetensors"):
-            problem = _safetensors_problem(path)
-        elif name.endswith(TORCH_SUFFIXES):
-            problem = _torch_zip_problem(path)
-        else:
-            continue
-        if problem:
-            return f"{name} is {problem}"
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if index in names:
-            with open(os.path.join(folder, index)) as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
-            absent = sorted(shards - names)
-            if absent:
-                return f"{index} lists shards that are missing: {_first(absent)}"
-    has_weights = any(n in names for n in WEIGHTS_FILES + ADAPTER_FILES)
-    distributed_layout = "latest" in names or any(n.startswith("pytorch_model_fsdp") for n in names)
-    if not (has_weights or distributed_layout):
-        return f"no model weights ({', '.join(WEIGHTS_FILES)})"
-    return None
-
-
-def get_last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` that :func:`checkpoint_problem` finds complete.
-
-    Newer folders that are incomplete (a crash while saving) are skipped with a warning naming them and what is
-    wrong. ``None`` if there is no complete one.
-    """
-    output_dir = os.fspath(output_dir)
-    if not os.path.isdir(output_dir):
-        return None
-    steps = sorted(
-        (int(m.group(1)), name)
-        for name in os.listdir(output_dir)
-        if (m := CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))
-    )
-    for _, name in reversed(steps):
-        path = os.path.join(output_dir, name)
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        logger.warning(f"Skipping incomplete checkpoint {path}: {problem}")
-    return None
-
-
-def _json_problem(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            json.load(f)
-    except (OSError, ValueError) as error:
-        return f"unreadable JSON ({error})"
-    return None
-
-
-def _safetensors_problem(path: str) -> str | None:
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if 8 + header_len > size:
-                return f"truncated ({size} bytes, shorter than its {header_len}-byte header)"
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error) as error:
-        return f"unreadable ({error})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end != size:
-        return f"truncated ({size} bytes, its header promises {8 + header_len + end})"
-    return None
-
-
-def _torch_zip_problem(path: str) -> str | None:
-    size = os.path.getsize(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            infos = archive.infolist()
-    except (OSError, zipfile.BadZipFile) as error:
-        # The zip directory sits at the end of the file: a truncated file loses it.
-        return f"truncated or unreadable ({size} bytes; not a complete torch file: {error})"
-    if not infos:
-        return "an empty archive"
-    if any(info.header_offset + info.compress_size > size for info in infos):
-        return f"truncated ({size} bytes; its members extend past the end)"
-    return None
-
-
-# ---- Trick state -----------------------------------------------------------------------------------------------
-
-
-class TrickStateCallback(TrainerCallback, ExportableState):
-    """Carries ``TricksTrainer.trick_state`` into each checkpoint and back on resume.
-
-    The Trainer saves :class:`~transformers.trainer_callback.ExportableState` callbacks inside ``trainer_state.json``
-    (under ``stateful_callbacks``), the file it writes last, so the tricks' counters are part of the checkpoint as
-    atomically as the step count. On resume they are restored in :meth:`on_train_begin` (whether or not
-    ``restore_callback_states_from_checkpoint`` is set).
-    """
-
-    def __init__(self, trick_state: dict | None = None):
-        self.trick_state = {} if trick_state is None else trick_state
-
-    def state(self) -> dict:
-        return {"args": {}, "attributes": {"trick_state": dict(self.trick_state)}}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A fresh run holds our own current state here; a resumed run holds the checkpoint's.
-        saved = state.stateful_callbacks.get(type(self).__name__)
-        if isinstance(saved, list):
-            saved = saved[0]
-        if saved is not None:
-            restored = dict(saved.get("attributes", {}).get("trick_state", {}))
-            self.trick_state.clear()
-            self.trick_state.update(restored)
-        else:
-            # A checkpoint written without this callback: the Trainer's save step indexes the entry, so create it.
-            state.stateful_callbacks[type(self).__name__] = self.state()

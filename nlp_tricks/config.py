@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .adversarial import ADV_NORMS
+from .adversarial import ADV_NORMS, validate_attack
 
 __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
@@ -166,13 +166,13 @@ class TricksArguments(TrainingArguments):
 
         # --- Adversarial ---
         _choice("adversarial", self.adversarial, ADVERSARIAL_METHODS)
-        _choice("adv_norm", self.adv_norm, ADV_NORMS)
-        if not self.adv_epsilon > 0:
-            raise ValueError(f"adv_epsilon={self.adv_epsilon} is not allowed; it must be > 0")
-        if not self.adv_alpha > 0:
-            raise ValueError(f"adv_alpha={self.adv_alpha} is not allowed; it must be > 0")
-        if int(self.adv_steps) != self.adv_steps or self.adv_steps < 1:
-            raise ValueError(f"adv_steps={self.adv_steps} is not allowed; it must be an integer >= 1")
+        validate_attack(
+            self.adv_epsilon,
+            self.adv_alpha,
+            self.adv_steps,
+            self.adv_norm,
+            names=("adv_epsilon", "adv_alpha", "adv_steps", "adv_norm"),
+        )
         if self.adv_target is not None and not self.adv_target.strip():
             raise ValueError("adv_target='' is not allowed; give a module name such as 'word_embeddings' or omit it")
         if self.adversarial != "none" and getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from .data import DataError, read_table_file
 from .data.readers import JSONL_SUFFIXES, _read_lines, read_jsonl
+from .outputs import output_logits
 
 __all__ = [
     "PseudoLabels",
@@ -111,7 +112,7 @@ def predict_logits(
             batch = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS}
             with torch.no_grad():
                 outputs = model(**batch)
-            logits = (outputs["logits"] if isinstance(outputs, dict) else outputs[0]).float().cpu()
+            logits = output_logits(outputs).float().cpu()
             if logits.dim() == 3:
                 # The attention mask marks each example's own tokens, whichever side the collator padded.
                 mask = batch["attention_mask"].bool().cpu() if "attention_mask" in batch else None

@@ -11,13 +11,14 @@ from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
-from transformers.trainer_optimizer import is_optimizer_factory
 
+from . import _upstream
 from .adversarial import FGM, PGD  # --- Adversarial ---
-from .checkpoint import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 from .config import TricksArguments
 from .losses import cross_entropy, distillation_loss, focal_loss, label_smoothing_cross_entropy
+from .outputs import output_logits, output_loss
 from .param_groups import build_param_groups
+from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 
 __all__ = ["TricksTrainer"]
 
@@ -69,9 +70,8 @@ class TricksTrainer(Trainer):
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
         super().__init__(model, args, *positional, **kwargs)
-        # compute_loss normalises by `num_items_in_batch` for every model, so the Trainer must count it (it only does
-        # for models that accept loss kwargs) and must not divide the loss again by the accumulation steps.
-        self.model_accepts_loss_kwargs = True
+        # compute_loss normalises by `num_items_in_batch` for every model.
+        _upstream.count_items_for_every_model(self)
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
@@ -131,13 +131,13 @@ class TricksTrainer(Trainer):
         if labels.is_floating_point():
             # Regression / multi-label: the model's own loss is a mean over its label elements.
             outputs = model(**inputs, labels=labels)
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+            loss = output_loss(outputs)
             if num_items is not None:
                 loss = loss * labels.ne(-100).sum() / num_items
         else:
             self._add_decoder_input_ids(model, inputs, labels)
             outputs = self.forward_for_loss(model, inputs, labels)
-            logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+            logits = output_logits(outputs)
             if teacher_logits is not None:
                 loss = distillation_loss(
                     logits,
@@ -156,8 +156,7 @@ class TricksTrainer(Trainer):
     def _set_signature_columns_if_needed(self):
         # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
         super()._set_signature_columns_if_needed()
-        if "teacher_logits" not in self._signature_columns:
-            self._signature_columns.append("teacher_logits")
+        _upstream.keep_signature_column(self, "teacher_logits")
 
     def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
         """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
@@ -236,7 +235,7 @@ class TricksTrainer(Trainer):
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        builds_own_groups = is_optimizer_factory(optimizer_cls) or any(
+        builds_own_groups = _upstream.is_optimizer_factory(optimizer_cls) or any(
             key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")
         )
         if builds_own_groups:
@@ -254,7 +253,7 @@ class TricksTrainer(Trainer):
     @property
     def trick_state(self) -> dict[str, float]:
         """Cumulative numbers of the tricks (counters, schedules): logged as they are, saved with each checkpoint in
-        ``trainer_state.json`` and restored on resume (held by a :class:`~nlp_tricks.checkpoint.TrickStateCallback`).
+        ``trainer_state.json`` and restored on resume (held by a :class:`~nlp_tricks.resume.TrickStateCallback`).
         """
         return self._trick_state_callback().trick_state
 
@@ -276,7 +275,7 @@ class TricksTrainer(Trainer):
 
         Upstream takes the highest-numbered folder, even one a crash left half-written; here newer incomplete
         folders are skipped with a warning naming them and what is wrong (see
-        :func:`~nlp_tricks.checkpoint.checkpoint_problem`), and a named checkpoint that is incomplete raises.
+        :func:`~nlp_tricks.resume.checkpoint_problem`), and a named checkpoint that is incomplete raises.
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir)
@@ -312,19 +311,14 @@ class TricksTrainer(Trainer):
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError("adversarial training is not supported with DeepSpeed (its engine owns the backward)")
 
-        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        cp_context, inputs = _upstream.prepare_context_parallel_inputs(self, model, inputs)
         with cp_context():
             model.train()
             if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
                 self.optimizer.train()
-            inputs = self._prepare_inputs(inputs)
+            inputs = _upstream.prepare_inputs(self, inputs)
             # As upstream: divide by the accumulation steps only if the loss was not normalised by the item count.
-            if self.loss_is_scaled_for_ga is not None:
-                scaled_for_ga = self.loss_is_scaled_for_ga
-            else:
-                scaled_for_ga = (
-                    self.model_accepts_loss_kwargs and num_items_in_batch is not None
-                ) or self.compute_loss_func is not None
+            scaled_for_ga = _upstream.loss_is_scaled_for_ga(self, num_items_in_batch)
 
             def loss_fn() -> torch.Tensor:
                 with self.compute_loss_context_manager():
@@ -332,7 +326,7 @@ class TricksTrainer(Trainer):
                 if self.args.n_gpu > 1:
                     loss = loss.mean()
                 if not scaled_for_ga:
-                    loss = loss / self.current_gradient_accumulation_steps
+                    loss = loss / _upstream.accumulation_steps(self)
                 return loss
 
             no_sync = (
@@ -349,7 +343,7 @@ class TricksTrainer(Trainer):
 
         # Each micro-batch's loss is its share of the step's loss; times the micro-batch count, the mean over the
         # step's micro-batches is the step's loss, comparable with the logged `loss`.
-        share = self.current_gradient_accumulation_steps
+        share = _upstream.accumulation_steps(self)
         self.record_metric("loss_clean", clean * share)
         if adv is None:
             self.trick_state["adv_skipped"] = self.trick_state.get("adv_skipped", 0) + 1

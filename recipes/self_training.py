@@ -36,7 +36,6 @@ Features:
 from __future__ import annotations
 
 import copy
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,23 +49,7 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import DataError, check_labels, label_list, split_examples
-from nlp_tricks.recipe_utils import (
-    classification_compute_metrics,
-    is_main_process,
-    load_classification_splits,
-    load_config_and_tokenizer,
-    load_ner_splits,
-    load_weights,
-    ner_compute_metrics,
-    parse_recipe_args,
-    prepare_ner_tokenizer,
-    resolve_model_path,
-    run_recipe,
-    tokenize_classification,
-    tokenize_ner,
-    write_json_atomic,
-)
+from nlp_tricks.data import DataError, split_examples
 from nlp_tricks.self_training import (
     TeacherLogitsCollator,
     classification_pseudo_labels,
@@ -76,6 +59,24 @@ from nlp_tricks.self_training import (
     read_unlabeled_file,
     token_teacher_logits,
 )
+
+from classification import (
+    ClassificationDataArguments,
+    classification_compute_metrics,
+    load_classification_splits,
+    tokenize_classification,
+)
+from common import (
+    ModelArguments,
+    is_main_process,
+    labelled_splits,
+    load_classifier,
+    parse_recipe_args,
+    resolve_model_path,
+    run_recipe,
+    write_json_atomic,
+)
+from ner import NerDataArguments, load_ner_splits, ner_compute_metrics, prepare_ner_tokenizer, tokenize_ner
 
 # Those of recipes/ner.py and recipes/classification.py, but no evaluation during training: each stage is scored
 # once at its end.
@@ -90,6 +91,7 @@ RECIPE_DEFAULTS = {
     "logging_steps": 50,
     "save_strategy": "no",
 }
+# Per-task defaults, applied unless the flag is given.
 TASK_DEFAULTS = {"ner": {}, "classification": {"learning_rate": 1e-4}}
 TASKS = ("ner", "classification")
 # The columns of the printed table.
@@ -100,8 +102,9 @@ TABLE_METRICS = {
 
 
 @dataclass
-class DataArguments:
-    """Where the labelled, unlabelled and evaluation data come from."""
+class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
+    """Where the labelled, unlabelled and evaluation data come from: the NER and classification recipes' data
+    arguments (each task reads its own), plus the unlabelled data."""
 
     task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
     dataset_name: str = field(
@@ -111,13 +114,10 @@ class DataArguments:
             "--train_file is given."
         },
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     train_file: str | None = field(
         default=None,
         metadata={"help": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines."},
     )
-    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
-    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats."})
     unlabeled_file: str | None = field(
         default=None,
         metadata={
@@ -135,32 +135,14 @@ class DataArguments:
     max_unlabeled_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N unlabelled examples."}
     )
-    tokens_column: str = field(default="tokens", metadata={"help": "NER: field of the words (JSON lines, Hub)."})
-    tags_column: str = field(default="ner_tags", metadata={"help": "NER: field of the tags (JSON lines, Hub)."})
-    text_column: str = field(default="text", metadata={"help": "Classification: column / field of the text."})
-    label_column: str = field(default="label", metadata={"help": "Classification: column / field of the label."})
-    max_seq_length: int = field(default=128, metadata={"help": "Sub-tokens per example; longer ones are truncated."})
-    label_all_tokens: bool = field(
-        default=False,
-        metadata={"help": "NER: train on every sub-token of a word (I- after a B-), not only its first sub-token."},
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N training examples (before holding any out)."}
-    )
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
-    )
     split_seed: int = field(
         default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction."}
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if self.task not in TASKS:
             raise ValueError(f"task={self.task!r} is not allowed; choose one of {', '.join(map(repr, TASKS))}")
-        if self.max_seq_length < 2:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is not allowed; it must be >= 2")
-        if self.train_file is None and (self.validation_file or self.test_file):
-            raise ValueError("validation_file / test_file need a train_file (labels come from the training data)")
         if (self.unlabeled_file is None) == (self.unlabeled_fraction is None):
             raise ValueError(
                 "give exactly one of unlabeled_file or unlabeled_fraction (e.g. --unlabeled_fraction 0.9)"
@@ -197,7 +179,7 @@ class SelfTrainingArguments:
 
 
 @dataclass
-class ModelArguments:
+class SelfTrainingModelArguments(ModelArguments):
     """The teacher's and the student's starting models."""
 
     model_name_or_path: str | None = field(
@@ -210,43 +192,17 @@ class ModelArguments:
     student_model_name_or_path: str | None = field(
         default=None, metadata={"help": "The students' starting model (same forms). Default: the teacher's."}
     )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
-    )
-
-
-def task_from_argv(argv: list[str]) -> str:
-    """The ``--task`` of a command line (or of a YAML / JSON file given alone), to pick the defaults before parsing."""
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")) and Path(argv[0]).is_file():
-        import json
-
-        import yaml
-
-        text = Path(argv[0]).read_text(encoding="utf-8")
-        values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
-        return str(values.get("task", "ner")) if isinstance(values, dict) else "ner"
-    for i, arg in enumerate(argv):
-        if arg == "--task" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--task="):
-            return arg.split("=", 1)[1]
-    return "ner"
 
 
 # ---- Data ---------------------------------------------------------------------------------------------------------
 
 
-def setup_data(data: DataArguments) -> dict:
+def setup_data(data: SelfTrainingDataArguments) -> dict:
     """Read everything (and fail on bad input) before any training: labelled, unlabelled, validation, test, labels."""
     ner = data.task == "ner"
     splits = load_ner_splits(data) if ner else load_classification_splits(data)
     label_key = "ner_tags" if ner else "label"
-    labels = label_list(splits["train"][0], label_key)
-    for split in ("validation", "test"):
-        if split in splits:
-            check_labels(splits[split][0], label_key, labels, splits[split][1])
-    train = splits["train"][0][: data.max_train_samples]
+    labels, train, eval_examples = labelled_splits(splits, label_key, data)
     hidden_gold = None
     if data.unlabeled_file:
         labelled = train
@@ -268,11 +224,6 @@ def setup_data(data: DataArguments) -> dict:
         raise DataError(splits["train"][1], None, "no labelled examples left; lower --unlabeled_fraction")
     if not unlabeled:
         raise DataError(source, None, "no unlabelled examples; raise --unlabeled_fraction or --max_unlabeled_samples")
-    eval_examples = {
-        split: splits[split][0][: data.max_eval_samples]
-        for split in ("validation", "test")
-        if splits.get(split, ([],))[0]
-    }
     return {
         "labels": labels,
         "labelled": labelled,
@@ -282,7 +233,7 @@ def setup_data(data: DataArguments) -> dict:
     }
 
 
-def tokenize(task: str, examples: list[dict], tokenizer, label2id: dict, data: DataArguments, train: bool):
+def tokenize(task: str, examples: list[dict], tokenizer, label2id: dict, data: SelfTrainingDataArguments, train: bool):
     if task == "ner":
         return tokenize_ner(examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train)
     return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length)
@@ -306,20 +257,13 @@ def tokenize_unlabeled(task: str, examples: list[dict], tokenizer, max_seq_lengt
 # ---- Model, training, evaluation ---------------------------------------------------------------------------------
 
 
-def build_model(task: str, model_path: str, model_args: ModelArguments, labels: list[str], seed: int):
+def build_model(task: str, model_path: str, model_args: SelfTrainingModelArguments, labels: list[str], seed: int):
     set_seed(seed)  # the fresh classifier head of every stage starts from the same seed
-    config, tokenizer = load_config_and_tokenizer(
-        model_path,
-        model_args.tokenizer_name,
-        model_args.trust_remote_code,
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={label: i for i, label in enumerate(labels)},
-    )
+    auto_cls = AutoModelForTokenClassification if task == "ner" else AutoModelForSequenceClassification
+    model, tokenizer, config = load_classifier(auto_cls, model_args, labels, model_path)
     if task == "ner":
         prepare_ner_tokenizer(config, tokenizer)
-    auto_cls = AutoModelForTokenClassification if task == "ner" else AutoModelForSequenceClassification
-    return load_weights(auto_cls, model_path, config, model_args.trust_remote_code), tokenizer
+    return model, tokenizer
 
 
 def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, training_args, output_dir, labels):
@@ -442,84 +386,101 @@ def format_table(task: str, rounds: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    task = task_from_argv(sys.argv[1:])
-    defaults = {**RECIPE_DEFAULTS, **TASK_DEFAULTS.get(task, {})}
-    data_args, st_args, model_args, training_args = parse_recipe_args(
-        (DataArguments, SelfTrainingArguments, ModelArguments, TricksArguments), "self_training", defaults
-    )
-    task = data_args.task
-    set_seed(training_args.seed)
-
-    # ---- Data: read everything (and fail on bad input) before any training ----
-    data = setup_data(data_args)
+def train_teacher(task, data, data_args, model_args, training_args, out: Path) -> dict:
+    """Round 1's teacher, trained on the labelled data only: ``{"model", "tokenizer", "accelerator", "metrics"}``."""
     labels = data["labels"]
     label2id = {label: i for i, label in enumerate(labels)}
-    teacher_path = resolve_model_path(model_args.model_name_or_path)
-    student_path = model_args.student_model_name_or_path or teacher_path
-    out = Path(training_args.output_dir)
-
-    def eval_sets(tokenizer):
-        return {
-            split: tokenize(task, examples, tokenizer, label2id, data_args, train=False)
-            for split, examples in data["eval"].items()
-        }
-
-    # ---- Round 1's teacher: the labelled data only ----
-    model, tokenizer = build_model(task, teacher_path, model_args, labels, training_args.seed)
+    model, tokenizer = build_model(
+        task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args.seed
+    )
     labelled_dataset = tokenize(task, data["labelled"], tokenizer, label2id, data_args, train=True)
-    teacher, accelerator, teacher_metrics = train_and_evaluate(
+    model, accelerator, metrics = train_and_evaluate(
         task,
         model,
         tokenizer,
         labelled_dataset,
-        eval_sets(tokenizer),
+        eval_sets(task, data, tokenizer, label2id, data_args),
         training_args,
         out / "round_1" / "teacher",
         labels,
     )
-    teacher_tokenizer = tokenizer
+    return {"model": model, "tokenizer": tokenizer, "accelerator": accelerator, "metrics": metrics}
 
+
+def eval_sets(task, data, tokenizer, label2id, data_args) -> dict:
+    """The validation / test sets, tokenized for scoring (first sub-tokens only for NER)."""
+    return {
+        split: tokenize(task, examples, tokenizer, label2id, data_args, train=False)
+        for split, examples in data["eval"].items()
+    }
+
+
+def run_round(r: int, task, teacher: dict, data, data_args, st_args, model_args, training_args, out: Path):
+    """One round: the teacher pseudo-labels, a fresh student trains on labelled + kept pseudo-labelled data.
+
+    Returns the round's record and the student, who teaches the next round.
+    """
+    labels = data["labels"]
+    label2id = {label: i for i, label in enumerate(labels)}
+    pseudo = pseudo_label(
+        task,
+        teacher["model"],
+        teacher["accelerator"],
+        teacher["tokenizer"],
+        data["unlabeled"],
+        data_args,
+        st_args.confidence_threshold,
+        training_args.per_device_eval_batch_size,
+        desc=f"round {r}: pseudo-labelling",
+    )
+    pseudo_ex = pseudo_examples(task, data["unlabeled"], pseudo, labels)
+    pseudo_stats = {
+        "unlabeled": len(data["unlabeled"]),
+        "kept": len(pseudo.indices),
+        "mean_confidence": float(np.nanmean(pseudo.confidence)) if len(pseudo.confidence) else None,
+    }
+    if data["hidden_gold"] is not None:
+        pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
+
+    student_path = resolve_model_path(model_args.student_model_name_or_path or model_args.model_name_or_path)
+    model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
+    train_dataset = student_dataset(
+        task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
+    )
+    model, accelerator, metrics = train_and_evaluate(
+        task,
+        model,
+        tokenizer,
+        train_dataset,
+        eval_sets(task, data, tokenizer, label2id, data_args),
+        training_args,
+        out / f"round_{r}" / "student",
+        labels,
+    )
+    record = {"round": r, "teacher": teacher["metrics"], "student": metrics, "pseudo_labels": pseudo_stats}
+    return record, {"model": model, "tokenizer": tokenizer, "accelerator": accelerator, "metrics": metrics}
+
+
+def main() -> None:
+    data_args, st_args, model_args, training_args = parse_recipe_args(
+        (SelfTrainingDataArguments, SelfTrainingArguments, SelfTrainingModelArguments, TricksArguments),
+        "self_training",
+        RECIPE_DEFAULTS,
+        dependent_defaults=("task", TASK_DEFAULTS),
+    )
+    task = data_args.task
+    set_seed(training_args.seed)
+    out = Path(training_args.output_dir)
+
+    # ---- Data: read everything (and fail on bad input) before any training ----
+    data = setup_data(data_args)
+
+    # ---- Round 1's teacher on the labelled data, then teacher -> student rounds ----
+    teacher = train_teacher(task, data, data_args, model_args, training_args, out)
     rounds = []
     for r in range(1, st_args.rounds + 1):
-        pseudo = pseudo_label(
-            task,
-            teacher,
-            accelerator,
-            teacher_tokenizer,
-            data["unlabeled"],
-            data_args,
-            st_args.confidence_threshold,
-            training_args.per_device_eval_batch_size,
-            desc=f"round {r}: pseudo-labelling",
-        )
-        pseudo_ex = pseudo_examples(task, data["unlabeled"], pseudo, labels)
-        pseudo_stats = {
-            "unlabeled": len(data["unlabeled"]),
-            "kept": len(pseudo.indices),
-            "mean_confidence": float(np.nanmean(pseudo.confidence)) if len(pseudo.confidence) else None,
-        }
-        if data["hidden_gold"] is not None:
-            pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
-
-        model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
-        train_dataset = student_dataset(
-            task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
-        )
-        student, accelerator, student_metrics = train_and_evaluate(
-            task,
-            model,
-            tokenizer,
-            train_dataset,
-            eval_sets(tokenizer),
-            training_args,
-            out / f"round_{r}" / "student",
-            labels,
-        )
-        rounds.append(
-            {"round": r, "teacher": teacher_metrics, "student": student_metrics, "pseudo_labels": pseudo_stats}
-        )
-        teacher, teacher_tokenizer, teacher_metrics = student, tokenizer, student_metrics
+        record, teacher = run_round(r, task, teacher, data, data_args, st_args, model_args, training_args, out)
+        rounds.append(record)
 
     if is_main_process():
         results = {

@@ -49,17 +49,21 @@ from transformers import (
     set_seed,
 )
 
-from nlp_tricks.checkpoint import load_state_dict_portable
-from nlp_tricks.data import demo_summarization, read_table_file, split_examples
+from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
+from nlp_tricks.data import demo_summarization, read_table_file
 from nlp_tricks.metrics import load_metric
-from nlp_tricks.recipe_utils import (
-    STATE_DICT_SUFFIXES,
+from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
+
+from common import (
+    DataArguments,
+    ModelArguments,
+    eval_splits,
+    load_splits,
     parse_recipe_args,
     resolve_model_path,
     run_recipe,
     train_evaluate_predict,
 )
-from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
 # Tuned on the demo (ACLSum + BERT2BERT MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -77,8 +81,17 @@ RECIPE_DEFAULTS = {
 }
 
 
+# The metric the ablation runner reports (all_results.json holds eval_rougeL and test_rougeL).
+MAIN_METRIC = "rougeL"
+# Configurations the ablation runner (recipes/ablation.py) adds to its common ones for this recipe.
+ABLATION_CONFIGURATIONS = {
+    "scheduled_sampling": ["--scheduled_sampling", "inverse_sigmoid", "--ss_k", "20"],
+    "untied": ["--bert2bert_tying", "none"],
+}
+
+
 @dataclass
-class DataArguments:
+class SummarizationDataArguments(DataArguments):
     """Where the documents and summaries come from and how they are cut."""
 
     dataset_name: str = field(
@@ -88,31 +101,16 @@ class DataArguments:
             "Ignored when --train_file is given."
         },
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
     train_file: str | None = field(default=None, metadata={"help": "Training data: CSV (header row) or JSON lines."})
-    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
-    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats; predictions are written."})
     text_column: str = field(default="text", metadata={"help": "Column / field of the document."})
     summary_column: str = field(default="summary", metadata={"help": "Column / field of the summary."})
     source_prefix: str = field(default="", metadata={"help": "Text put before every document (T5: 'summarize: ')."})
     max_source_length: int = field(default=256, metadata={"help": "Document tokens kept (the rest is truncated)."})
     max_target_length: int = field(default=128, metadata={"help": "Summary tokens kept for training."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training pairs."})
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N validation (and test) pairs."}
-    )
-    split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
-
-    def __post_init__(self):
-        for name in ("max_source_length", "max_target_length"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"{name}={getattr(self, name)} is not allowed; it must be >= 2")
-        if self.train_file is None and (self.validation_file or self.test_file):
-            raise ValueError("validation_file / test_file need a train_file")
 
 
 @dataclass
-class ModelArguments:
+class SummarizationModelArguments(ModelArguments):
     """Which pretrained model to fine-tune."""
 
     model_name_or_path: str | None = field(
@@ -122,10 +120,6 @@ class ModelArguments:
             "state-dict file (.pt/.bin/.safetensors) of the demo's BERT2BERT. Default: BERT2BERT from the "
             "all-MiniLM-L6-v2 encoder shipped by the demo extra."
         },
-    )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
     )
     bert2bert_tying: str = field(
         default="all",
@@ -139,35 +133,25 @@ class ModelArguments:
     )
 
 
-def load_splits(data: DataArguments) -> dict[str, list[dict]]:
-    """``{split: examples}`` with train, validation and (if any) test; each example has ``text`` and ``summary``."""
+def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, summary."""
     columns = [data.text_column, data.summary_column]
 
-    def rename(examples):
-        return [{"text": ex[data.text_column], "summary": ex[data.summary_column]} for ex in examples]
+    def read_file(path):
+        return [
+            {"text": ex[data.text_column], "summary": ex[data.summary_column]} for ex in read_table_file(path, columns)
+        ]
 
-    if data.train_file:
-        splits = {"train": rename(read_table_file(data.train_file, columns))}
-        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
-            if path:
-                splits[split] = rename(read_table_file(path, columns))
-    elif data.dataset_name == "demo":
-        splits = demo_summarization()
-    else:
-        from datasets import load_dataset
+    def hub_converter(features):
+        return lambda row: {"text": row[data.text_column], "summary": row[data.summary_column]}
 
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
-        splits = {split: rename(list(raw[split])) for split in ("train", "validation", "test") if split in raw}
-    if "validation" not in splits and "test" not in splits:
-        train, validation, test = split_examples(splits["train"], (0.8, 0.1, 0.1), seed=data.split_seed)
-        splits = {"train": train, "validation": validation, "test": test}
-    return splits
+    return load_splits(data, read_file, demo_summarization, "demo (aclsum)", hub_converter)
 
 
-def load_model_and_tokenizer(model_args: ModelArguments):
+def load_model_and_tokenizer(model_args: SummarizationModelArguments):
     """A seq2seq model as it is, or BERT2BERT warm-started from an encoder-only model on both sides."""
     path = resolve_model_path(model_args.model_name_or_path)
-    state_dict_file = path.endswith(STATE_DICT_SUFFIXES) and Path(path).is_file()
+    state_dict_file = is_state_dict_file(path)
     source = resolve_model_path(None) if state_dict_file else path
     remote = model_args.trust_remote_code
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or source, trust_remote_code=remote)
@@ -192,7 +176,9 @@ def load_model_and_tokenizer(model_args: ModelArguments):
     return model, tokenizer
 
 
-def tokenize(examples: list[dict], tokenizer, data: DataArguments, decoder_start: int | None = None) -> Dataset:
+def tokenize(
+    examples: list[dict], tokenizer, data: SummarizationDataArguments, decoder_start: int | None = None
+) -> Dataset:
     """Token ids of the documents and labels of the summaries. ``decoder_start``: the token the decoder starts from
     ([CLS] for BERT2BERT); a label sequence that begins with it ([CLS] summary [SEP]) loses it, or the decoder would
     learn to answer [CLS] with [CLS] and greedy generation would repeat it."""
@@ -209,16 +195,16 @@ def tokenize(examples: list[dict], tokenizer, data: DataArguments, decoder_start
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (DataArguments, ModelArguments, Seq2SeqTricksArguments), "summarization", RECIPE_DEFAULTS
+        (SummarizationDataArguments, SummarizationModelArguments, Seq2SeqTricksArguments),
+        "summarization",
+        RECIPE_DEFAULTS,
     )
     set_seed(training_args.seed)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_splits(data_args)
-    train_examples = splits["train"][: data_args.max_train_samples]
-    eval_examples = {
-        split: splits[split][: data_args.max_eval_samples] for split in ("validation", "test") if splits.get(split)
-    }
+    splits = load_summarization_splits(data_args)
+    train_examples = splits["train"][0][: data_args.max_train_samples]
+    eval_examples = eval_splits(splits, data_args.max_eval_samples)
 
     # ---- Model ----
     model, tokenizer = load_model_and_tokenizer(model_args)

@@ -9,10 +9,24 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 # Tiny models run fastest on one thread, and subprocess tests (2-process DDP) must not oversubscribe 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The recipes import their shared glue (recipes/common.py) and each other by module name, as when run as scripts.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny BERT folder (config, safetensors weights, WordLevel tokenizer) standing in for the demo's MiniLM."""
+    from recipe_helpers import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_bert"))

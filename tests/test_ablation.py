@@ -1,18 +1,18 @@
-"""`python -m nlp_tricks.ablation` end to end on a tiny model: runs, table, plot, resume."""
+"""`python recipes/ablation.py` end to end on a tiny model: runs, table, plot, resume."""
 
 import json
 import subprocess
 import sys
 
-from test_recipes import ROOT, TEST_CONLL, TRAIN_CONLL, env, tiny_model  # noqa: F401
+from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env
 
 
-def test_ablation_tiny_ner(tiny_model, tmp_path):  # noqa: F811
+def test_ablation_tiny_ner(tiny_model, tmp_path):
     (tmp_path / "train.conll").write_text(TRAIN_CONLL)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "abl"
     command = [
-        sys.executable, "-m", "nlp_tricks.ablation", "--recipe", "ner", "--seeds", "2", "--max_steps", "2",
+        sys.executable, str(ROOT / "recipes" / "ablation.py"), "--recipe", "ner", "--seeds", "2", "--max_steps", "2",
         "--configurations", "baseline,fgm", "--output_dir", str(out), "--",
         "--model_name_or_path", tiny_model, "--train_file", str(tmp_path / "train.conll"),
         "--validation_file", str(tmp_path / "test.conll"), "--test_file", str(tmp_path / "test.conll"),

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes import TRAIN_CONLL, assert_ok, tiny_args, tiny_model  # noqa: F401 (fixture)
+
+from recipe_helpers import TRAIN_CONLL, assert_ok, tiny_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -163,7 +164,7 @@ def training_logs(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # three `accelerate launch` runs: ~40 s on a quiet 2-core CPU
-def test_ner_bf16_adversarial_on_cpu_through_trainer_flag_and_accelerate_flag(tiny_model, tmp_path):  # noqa: F811
+def test_ner_bf16_adversarial_on_cpu_through_trainer_flag_and_accelerate_flag(tiny_model, tmp_path):
     (tmp_path / "train.conll").write_text(TRAIN_CONLL)
 
     def run(name, launcher_args=(), recipe_args=()):

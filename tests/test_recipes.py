@@ -1,178 +1,30 @@
 """The recipes end to end, as subprocesses under `accelerate launch`, on tiny local files and on the demo data.
 
-A tiny BERT folder (hidden 32, 2 layers) with a WordLevel tokenizer stands in for the demo's MiniLM, so a run is
-seconds; one smoke test uses the real MiniLM on the demo data.
+The tiny BERT folder (tests/conftest.py `tiny_model`) stands in for the demo's MiniLM, so a run is seconds; one
+smoke test uses the real MiniLM on the demo data.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import runpy
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CPU_CONFIG = str(ROOT / "accelerate_configs" / "cpu.yaml")
-WORDS = "the a cat dog sat ran on mat in paris london john mary works at acme google new york . , - ! ? @".split()
-
-TRAIN_CONLL = """\
--DOCSTART- -X- -X- O
-
-John NNP B-NP B-PER
-works VBZ B-VP O
-at IN B-PP O
-Acme NNP B-NP B-ORG
-. . O O
-
-Mary B-PER
-ran O
-in O
-New-York B-LOC
-
-the O
-cat O
-sat O
-on O
-Paris B-LOC
-"""
-
-TEST_CONLL = "Mary\tB-PER\nworks\tO\nat\tO\nGoogle\tB-ORG\n\nthe\tO\ndog\tO\nran\tO\n"
-
-
-def demo_installed(*names):
-    import importlib.util
-
-    return all(importlib.util.find_spec(n) is not None for n in names)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A BERT folder (config + safetensors) and a tokenizer saved as `save_pretrained` writes them."""
-    import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_bert")
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B [SEP]",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
-    )
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    ).save_pretrained(path)
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=512,
-        pad_token_id=0,
-    )
-    BertModel(config).save_pretrained(path)
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def launch(recipe: str, args: list[str], launcher: str = "cpu", timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `accelerate launch` with cpu.yaml (one process) or `--multi_gpu --num_processes 2` (CPU, gloo)."""
-    if launcher == "cpu":
-        prefix = ["-m", "accelerate.commands.launch", "-q", "--config_file", CPU_CONFIG]
-    elif launcher == "ddp2":
-        prefix = [
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
-        ]
-    else:  # plain python, as `accelerate launch` runs a single process
-        prefix = []
-    cmd = [sys.executable, *prefix, str(ROOT / "recipes" / f"{recipe}.py"), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
-def tiny_args(model: str, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model_name_or_path",
-        model,
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "4",
-        "--learning_rate",
-        "1e-3",
-        "--disable_tqdm",
-        "true",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "0",
-        *extra,
-    ]
-
-
-def assert_ok(proc):
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
-def assert_saved(out: Path, predictions: str, keys: list[str]) -> dict:
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", predictions):
-        assert (out / name).is_file(), f"{name} missing in {sorted(p.name for p in out.iterdir())}"
-    results = json.loads((out / "all_results.json").read_text())
-    for key in keys:
-        assert key in results, f"{key} missing in all_results.json: {sorted(results)}"
-        assert 0.0 <= results[key] <= 1.0
-    state = json.loads((out / "trainer_state.json").read_text())
-    assert state["global_step"] == 2
-    return results
-
+from recipe_helpers import (
+    ROOT,
+    TEST_CONLL,
+    TRAIN_CONLL,
+    assert_ok,
+    assert_saved,
+    demo_installed,
+    launch,
+    run_in_process,
+    tiny_args,
+    write_csv,
+)
 
 # ---- NER ----------------------------------------------------------------------------------------------------------
 
@@ -257,13 +109,6 @@ def test_ner_demo_real_minilm_smoke(tmp_path):
 
 
 # ---- Classification -----------------------------------------------------------------------------------------------
-
-
-def write_csv(path: Path, rows: list[tuple[str, str]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["text", "label"])
-        writer.writerows(rows)
 
 
 CLS_ROWS = [
@@ -388,23 +233,6 @@ def test_summarization_demo_cpu_config(tiny_model, tmp_path):
 
 
 # ---- Bad input: one stderr line `file:line: ...`, exit 1, no traceback, no all_results.json ------------------------
-
-
-def assert_one_line_error(proc, out: Path, expected_prefix: str):
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    error_lines = [line for line in proc.stderr.splitlines() if line.startswith(expected_prefix)]
-    assert len(error_lines) == 1, proc.stderr[-3000:]
-    assert not (out / "all_results.json").exists()
-    return error_lines[0]
-
-
-def run_in_process(recipe: str, args: list[str], monkeypatch) -> int:
-    """Run a recipe's `__main__` in this process (as `python recipes/<recipe>.py ARGS`); return its exit status."""
-    monkeypatch.setattr(sys, "argv", [f"{recipe}.py", *args])
-    with pytest.raises(SystemExit) as info:
-        runpy.run_path(str(ROOT / "recipes" / f"{recipe}.py"), run_name="__main__")
-    return info.value.code
 
 
 @pytest.mark.parametrize(

@@ -2,23 +2,12 @@
 
 import json
 import runpy
-import sys
 
 import pytest
 import torch
-from test_recipes import ROOT, TEST_CONLL, TRAIN_CONLL, tiny_args, tiny_model  # noqa: F401
 
 from nlp_tricks.seq2seq import tie_encoder_decoder
-
-
-def run_in_process(recipe: str, args: list[str], monkeypatch) -> int:
-    """Run `python recipes/<recipe>.py ARGS` in this process; its exit status (0 when it returns)."""
-    monkeypatch.setattr(sys, "argv", [f"{recipe}.py", *args])
-    try:
-        runpy.run_path(str(ROOT / "recipes" / f"{recipe}.py"), run_name="__main__")
-    except SystemExit as exit_:
-        return exit_.code or 0
-    return 0
+from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
 
 
 def _ner_files(tmp_path):
@@ -50,7 +39,7 @@ def test_ner_from_a_dataparallel_state_dict_file(tmp_path, monkeypatch):
     torch.testing.assert_close(saved["classifier.weight"], source.classifier.weight.detach(), rtol=0, atol=0)
 
 
-def test_summarization_bert2bert_is_tied_all(tiny_model, tmp_path, monkeypatch):  # noqa: F811
+def test_summarization_bert2bert_is_tied_all(tiny_model, tmp_path, monkeypatch):
     records = [{"text": f"john works at acme in {c} .", "summary": f"john in {c}"} for c in ["paris", "london"] * 5]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "out"
@@ -70,7 +59,7 @@ def test_summarization_bert2bert_is_tied_all(tiny_model, tmp_path, monkeypatch):
     )
 
 
-def test_ner_resume_from_checkpoint_true(tiny_model, tmp_path, monkeypatch):  # noqa: F811
+def test_ner_resume_from_checkpoint_true(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
     files = _ner_files(tmp_path)
     first = tiny_args(tiny_model, out, *files, "--save_strategy", "steps", "--save_steps", "1")
@@ -87,14 +76,14 @@ def test_ner_resume_from_checkpoint_true(tiny_model, tmp_path, monkeypatch):  # 
     assert steps == [1, 2, 3]
 
 
-def test_bert2bert_labels_do_not_repeat_the_decoder_start_token(tiny_model):  # noqa: F811
+def test_bert2bert_labels_do_not_repeat_the_decoder_start_token(tiny_model):
     """BERT's tokenizer writes [CLS] summary [SEP]; BERT2BERT decoding starts at [CLS]. Kept in the labels, the
     decoder input would be [CLS] [CLS] ... and a briefly trained model answers [CLS] with [CLS] forever."""
     from transformers import AutoTokenizer
 
     recipe = runpy.run_path(str(ROOT / "recipes" / "summarization.py"), run_name="summarization_recipe")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    data = recipe["DataArguments"](dataset_name="demo")
+    data = recipe["SummarizationDataArguments"](dataset_name="demo")
     examples = [{"text": "john works at acme in paris .", "summary": "john in paris"}]
     reference = tokenizer(text_target=["john in paris"])["input_ids"][0]
     assert reference[0] == tokenizer.cls_token_id and reference[-1] == tokenizer.sep_token_id

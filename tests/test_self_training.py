@@ -11,21 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_recipes
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_recipes import (
-    TEST_CONLL,
-    TRAIN_CONLL,
-    assert_ok,
-    env,
-    free_port,
-    launch,
-    run_in_process,
-    tiny_args,
-    write_csv,
-)
 from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
 from nlp_tricks.data import DataError
@@ -39,10 +27,20 @@ from nlp_tricks.self_training import (
     read_unlabeled_file,
     token_teacher_logits,
 )
+from recipe_helpers import (
+    TEST_CONLL,
+    TRAIN_CONLL,
+    assert_ok,
+    env,
+    free_port,
+    launch,
+    run_in_process,
+    tiny_args,
+    write_csv,
+)
 from tiny import bert_seq_cls, bert_token_cls, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-tiny_model = test_recipes.tiny_model  # the recipes' tiny BERT folder fixture
 LN = math.log
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments
 
 from ..config import TricksArguments
-from .scheduled_sampling import MODES, SCHEDULES, validate_schedule
+from .scheduled_sampling import MODES, SCHEDULES, validate_mixing, validate_schedule
 from .tying import TIE_SCOPES
 
 __all__ = ["Seq2SeqTricksArguments"]
@@ -84,10 +84,7 @@ class Seq2SeqTricksArguments(TricksArguments, Seq2SeqTrainingArguments):
                 raise ValueError(f"ss_k={self.ss_k} is only used with a scheduled_sampling schedule, which is 'none'")
             if not 0.0 <= self.ss_min_ratio <= 1.0:
                 raise ValueError(f"ss_min_ratio={self.ss_min_ratio} is not allowed; it must be in [0, 1]")
-        if self.ss_mode not in MODES:
-            raise ValueError(f"ss_mode={self.ss_mode!r} is not allowed; choose one of {', '.join(map(repr, MODES))}")
-        if self.ss_temperature <= 0:
-            raise ValueError(f"ss_temperature={self.ss_temperature} is not allowed; it must be > 0")
+        validate_mixing(self.ss_mode, self.ss_temperature, names=("ss_mode", "ss_temperature"))
         if self.tie_encoder_decoder not in TIE_SCOPES:
             raise ValueError(
                 f"tie_encoder_decoder={self.tie_encoder_decoder!r} is not allowed; choose one of "

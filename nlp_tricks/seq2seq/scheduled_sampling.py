@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
+from ..outputs import output_logits
+
 __all__ = [
     "SCHEDULES",
     "MODES",
@@ -49,6 +51,15 @@ def validate_schedule(schedule: str, k: float | None, min_ratio: float, names=("
         raise ValueError(f"{k_name}={k} is not allowed for {s_name}={schedule!r}; it must be {what}")
     if not 0.0 <= min_ratio <= 1.0:
         raise ValueError(f"{min_name}={min_ratio} is not allowed; it must be in [0, 1]")
+
+
+def validate_mixing(mode: str, temperature: float, names=("mode", "temperature")) -> None:
+    """Raise ``ValueError`` naming the argument for an invalid replacement mode or temperature."""
+    mode_name, temperature_name = names
+    if mode not in MODES:
+        raise ValueError(f"{mode_name}={mode!r} is not allowed; choose one of {', '.join(map(repr, MODES))}")
+    if temperature <= 0:
+        raise ValueError(f"{temperature_name}={temperature} is not allowed; it must be > 0")
 
 
 class ScheduledSampler:
@@ -155,10 +166,7 @@ def mix_decoder_inputs(
         ``{"decoder_input_ids": ...}`` for ``"argmax"`` / ``"sample"``, ``{"decoder_inputs_embeds": ...}`` for
         ``"soft"``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not allowed; choose one of {', '.join(map(repr, MODES))}")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} is not allowed; it must be > 0")
+    validate_mixing(mode, temperature)
     if logits.shape[:2] != decoder_input_ids.shape or mask.shape != decoder_input_ids.shape:
         raise ValueError(
             f"decoder_input_ids {tuple(decoder_input_ids.shape)}, logits {tuple(logits.shape)} and mask "
@@ -206,10 +214,6 @@ def split_encoder_inputs(inputs: dict) -> tuple[dict, dict]:
     if "attention_mask" in inputs:
         decoder_kwargs["attention_mask"] = inputs["attention_mask"]
     return encoder_kwargs, decoder_kwargs
-
-
-def _logits(outputs) -> torch.Tensor:
-    return outputs["logits"] if isinstance(outputs, dict) else outputs[0]
 
 
 def scheduled_sampling_forward(
@@ -267,7 +271,9 @@ def scheduled_sampling_forward(
         with torch.no_grad():
             # Detached view: pass 1 must not keep activations, and BaseModelOutput fields are read by position.
             detached = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state.detach())
-            logits = _logits(model(encoder_outputs=detached, decoder_input_ids=decoder_input_ids, **decoder_kwargs))
+            logits = output_logits(
+                model(encoder_outputs=detached, decoder_input_ids=decoder_input_ids, **decoder_kwargs)
+            )
     else:
         # Nothing will be replaced: skip pass 1 and feed the gold input as it is.
         logits = None

@@ -1,14 +1,15 @@
 """Ablation: run a recipe once per trick configuration, seed (and learning rate), then tabulate and plot.
 
-    python -m nlp_tricks.ablation --recipe ner --seeds 3 --output_dir ablation/ner
-    python -m nlp_tricks.ablation --recipe ner --seeds 3 --lrs 3e-5,5e-5,1e-4 --output_dir ablation/ner
-    python -m nlp_tricks.ablation --recipe ner --seeds 1 --max_steps 20 --output_dir /tmp/abl -- --max_train_samples 64
+    python recipes/ablation.py --recipe ner --seeds 3 --output_dir ablation/ner
+    python recipes/ablation.py --recipe ner --seeds 3 --lrs 3e-5,5e-5,1e-4 --output_dir ablation/ner
+    python recipes/ablation.py --recipe ner --seeds 1 --max_steps 20 --output_dir /tmp/abl -- --max_train_samples 64
 
-Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s> --seed <s> [--learning_rate lr]
-<config flags> <flags after -->``, one after another. A run that finished with the same flags is not rerun, so an
-interrupted ablation resumes where it stopped (and a call with a subset of ``--configurations`` tabulates finished
-runs). Writes ``ablation.md`` (mean ± std of the main metric, time per step
-and peak memory relative to the baseline), ``ablation.png`` (bars with error bars) and ``ablation.json`` (every run).
+Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s> --seed <s>
+[--learning_rate lr] <config flags> <flags after -->`` (the file of the recipe module it imports), one after another.
+A run that finished with the same flags is not rerun, so an interrupted ablation resumes where it stopped (and a call
+with a subset of ``--configurations`` tabulates finished runs). Writes ``ablation.md`` (mean ± std of the main
+metric, time per step and peak memory relative to the baseline), ``ablation.png`` (bars with error bars) and
+``ablation.json`` (every run).
 
 Fair comparison: FGM and PGD add the clean and adversarial gradients, which acts like a larger step, so a table at
 one learning rate can credit a trick with a learning-rate effect. With ``--lrs`` the table shows both the result at
@@ -19,6 +20,8 @@ on test.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 # configuration name -> recipe flags. Plain data: add a row to ablate another trick.
 CONFIGURATIONS = {
@@ -36,35 +40,34 @@ CONFIGURATIONS = {
     "label_smoothing": ["--loss_type", "label_smoothing", "--label_smoothing_factor", "0.1"],
     "layer_decay": ["--layer_decay", "0.9"],
 }
-SEQ2SEQ_CONFIGURATIONS = {
-    "scheduled_sampling": ["--scheduled_sampling", "inverse_sigmoid", "--ss_k", "20"],
-    "untied": ["--bert2bert_tying", "none"],
-}
-# recipe -> the metric the table reports (all_results.json holds eval_<metric> and test_<metric>)
-MAIN_METRIC = {"ner": "f1", "classification": "f1", "summarization": "rougeL"}
 
 
-def default_configurations(recipe: str) -> dict[str, list[str]]:
-    configs = dict(CONFIGURATIONS)
-    if recipe == "summarization":
-        configs.update(SEQ2SEQ_CONFIGURATIONS)
-    return configs
+def load_recipe(name: str) -> ModuleType:
+    """The recipe module: ``ner`` / ``classification`` / ``summarization`` beside this file, or a ``.py`` path.
+
+    A recipe module names its ``MAIN_METRIC`` and may add ``ABLATION_CONFIGURATIONS`` to the common ones.
+    """
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe {name!r}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:
+            raise
+        raise FileNotFoundError(f"recipe {name!r}: no recipes/{name}.py") from None
 
 
-def _recipe_path(recipe: str) -> Path:
-    candidate = Path(recipe)
-    if candidate.suffix == ".py" and candidate.is_file():
-        return candidate
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        path = root / "recipes" / f"{recipe}.py"
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"recipe {recipe!r}: no recipes/{recipe}.py in the current folder or the nlp_tricks checkout"
-    )
+def default_configurations(recipe: ModuleType) -> dict[str, list[str]]:
+    return {**CONFIGURATIONS, **getattr(recipe, "ABLATION_CONFIGURATIONS", {})}
 
 
-def run_one(recipe: Path, run_dir: Path, flags: list[str]) -> dict:
+def run_one(recipe: ModuleType, run_dir: Path, flags: list[str]) -> dict:
     """Run the recipe once (unless its all_results.json exists); return its results plus time and memory."""
     results_path = run_dir / "all_results.json"
     record_path = run_dir / "ablation_run.json"
@@ -74,7 +77,7 @@ def run_one(recipe: Path, run_dir: Path, flags: list[str]) -> dict:
             return record
         print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(recipe), "--output_dir", str(run_dir), *flags]
+    command = [sys.executable, recipe.__file__, "--output_dir", str(run_dir), *flags]
     print(f"[ablation] {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(run_dir / "ablation_log.txt", "w") as log:
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
-        prog="python -m nlp_tricks.ablation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python recipes/ablation.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--recipe", required=True, help="ner, classification, summarization, or a recipe .py path")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per configuration (1, 2, ...)")
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--configurations",
         default=None,
-        help=f"comma-separated subset of: {', '.join(default_configurations('summarization'))}",
+        help=f"comma-separated subset of: {', '.join(CONFIGURATIONS)} (and the recipe's own, e.g. summarization: "
+        "scheduled_sampling, untied)",
     )
     parser.add_argument("--metric", default=None, help="main metric (default: f1 for ner/classification, rougeL)")
     args = parser.parse_args(argv)
@@ -226,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be >= 1")
 
     try:
-        recipe = _recipe_path(args.recipe)
+        recipe = load_recipe(args.recipe)
     except FileNotFoundError as err:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
-    configs = default_configurations(recipe.stem)
+    configs = default_configurations(recipe)
     if args.configurations:
         wanted = args.configurations.split(",")
         unknown = [c for c in wanted if c not in configs]
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--configurations: unknown {unknown}; choose from {list(configs)}")
         configs = {c: configs[c] for c in wanted}
     lrs = args.lrs.split(",") if args.lrs else ["default"]
-    metric = args.metric or MAIN_METRIC.get(recipe.stem, "f1")
+    metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
     out = Path(args.output_dir)
 
     runs: dict[str, dict[str, list[dict]]] = {}

@@ -1,0 +1,367 @@
+"""What the scripts in ``recipes/`` share: argument bases and parsing, split loading, model loading, the end of a run.
+
+Each recipe stays one readable script and imports this module from its own folder (``from common import ...``);
+nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes use like any user would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
+
+from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
+from nlp_tricks.data import DataError, check_labels, demo_model_path, label_list, split_examples
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+# ---- Arguments ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataArguments:
+    """Where the examples come from. Each recipe extends it with its columns and lengths."""
+
+    dataset_name: str = field(
+        default="demo",
+        metadata={"help": "'demo' (the recipe's built-in offline data) or a Hub dataset. Ignored with --train_file."},
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "Training data (formats: see the recipe)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
+    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats; predictions are written."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training examples."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
+    )
+    split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.name.startswith("max_") and f.name.endswith("_length") and getattr(self, f.name) < 2:
+                raise ValueError(f"{f.name}={getattr(self, f.name)} is not allowed; it must be >= 2")
+        if self.train_file is None and (self.validation_file or self.test_file):
+            raise ValueError("validation_file / test_file need a train_file")
+
+
+@dataclass
+class ModelArguments:
+    """Which pretrained model to fine-tune."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A model folder, a Hub id, or a raw state-dict file (.pt/.bin/.safetensors, loaded into the "
+            "demo architecture). Default: the all-MiniLM-L6-v2 encoder shipped by the demo extra."
+        },
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
+    )
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launched job (or a plain run), read from the launcher's environment without any collective."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class _Unset:
+    """Default of an argument whose default depends on another argument's value (see ``dependent_defaults``)."""
+
+    def __repr__(self) -> str:
+        return "<depends on the task>"
+
+
+def parse_recipe_args(
+    dataclass_types: tuple,
+    recipe: str,
+    defaults: dict | None = None,
+    argv: list[str] | None = None,
+    dependent_defaults: tuple[str, dict[str, dict]] | None = None,
+):
+    """Parse the command line, once, into the dataclasses.
+
+    A ``.yaml`` / ``.yml`` / ``.json`` file given first supplies values, and the flags after it override them
+    (``recipe.py run.yaml --max_steps 2``); its unknown keys are reported before anything else, with the closest
+    known name. ``defaults`` replace the dataclasses' own defaults (e.g. the recipe's learning rate);
+    ``output_dir`` defaults to ``outputs/<recipe>`` and ``report_to`` to ``none``. ``dependent_defaults``
+    ``(field, {value: {name: default}})`` picks more defaults by the parsed value of ``field`` (self-training's
+    task), unless given. A value the arguments reject prints one line and exits with status 2, as argparse does.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", **(defaults or {})}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
+        # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
+        defaults.setdefault("use_cpu", True)
+    parser = HfArgumentParser(dataclass_types)
+    parser.prog = f"{recipe}.py"
+    actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+    from_file = {}
+    if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
+        from_file = _read_config_file(parser, argv.pop(0), actions)
+        defaults.update(from_file)
+    dependent = {}
+    if dependent_defaults is not None:
+        key, by_value = dependent_defaults
+        dependent = {name: _Unset() for values in by_value.values() for name in values if name not in from_file}
+    parser.set_defaults(**{**defaults, **dependent})
+    namespace = parser.parse_args(argv)
+    if dependent_defaults is not None:
+        key, by_value = dependent_defaults
+        for name in dependent:
+            if isinstance(getattr(namespace, name), _Unset):
+                value = by_value.get(getattr(namespace, key), {}).get(name, defaults.get(name))
+                setattr(namespace, name, value if value is not None else parser.get_default(name))
+    try:
+        return tuple(
+            dtype(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(dtype) if f.init})
+            for dtype in dataclass_types
+        )
+    except ValueError as err:
+        parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+
+def _read_config_file(parser: argparse.ArgumentParser, path: str, actions: dict) -> dict:
+    """The values of a YAML / JSON config file, checked against the recipe's arguments (one line per problem)."""
+    file = Path(path)
+    if not file.is_file():
+        parser.error(f"{path}: no such config file")
+    try:
+        text = file.read_text(encoding="utf-8")
+        if file.suffix == ".json":
+            values = json.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        parser.error(f"{path}: cannot read it ({str(err).splitlines()[0]})")
+    except Exception as err:  # yaml.YAMLError, without importing yaml for JSON users
+        parser.error(f"{path}: not valid YAML ({str(err).splitlines()[0]})")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        parser.error(f"{path}: expected a mapping of argument names to values")
+    for key in values:
+        if key not in actions:
+            close = difflib.get_close_matches(str(key), list(actions), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            parser.error(f"{path}: unknown key {key!r}{hint}")
+    for key, value in values.items():
+        # A list argument given one value in the file (focal_alpha: 0.25) is a list of one.
+        if actions[key].nargs in ("+", "*") and not isinstance(value, list):
+            values[key] = [value]
+    return values
+
+
+def use_every_core() -> None:
+    """Let a single CPU process use every core, unless the user chose a thread count.
+
+    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for one CPU process when the user set neither that variable nor
+    ``--num_cpu_threads_per_process``, which leaves all cores but one idle (the NER demo: 183 s on one core, 103 s on
+    two). Only that case is changed, read from the launcher's own environment and command line.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or torch.cuda.is_available():
+        return
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return
+    try:
+        parent = os.getppid()
+        launcher_env = Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
+        launcher_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return  # not Linux, or not readable: keep what the launcher set
+    user_chose = any(item.startswith(b"OMP_NUM_THREADS=") for item in launcher_env) or any(
+        item.startswith(b"--num_cpu_threads_per_process") for item in launcher_cmd
+    )
+    if not user_chose and b"launch" in launcher_cmd:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(cores)
+
+
+def run_recipe(main: Callable[[], None]) -> None:
+    """Run ``main``; a :class:`~nlp_tricks.data.DataError` ends it with one line on stderr and exit status 1.
+
+    Only rank 0 prints, so a launched job with N processes shows the line once. Nothing else is caught: a bug keeps
+    its traceback.
+    """
+    use_every_core()
+    try:
+        main()
+    except DataError as err:
+        if is_main_process():
+            print(str(err), file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+# ---- Data ---------------------------------------------------------------------------------------------------------
+
+
+def load_splits(
+    data: DataArguments,
+    read_file: Callable[[str], list[dict]],
+    demo: Callable[[], list[dict] | dict[str, list[dict]]],
+    demo_source: str,
+    hub_converter: Callable,
+) -> dict[str, tuple[list[dict], str]]:
+    """``{split: (examples, source name for errors)}`` from the files, the demo or a Hub dataset.
+
+    ``read_file(path)`` returns a file's examples; ``demo()`` the built-in examples (one list, or a dict of splits);
+    ``hub_converter(features)`` the function turning one Hub row into an example. With neither a validation nor a
+    test split, train is split 80/10/10 with ``data.split_seed``.
+    """
+    if data.train_file:
+        splits = {"train": (read_file(data.train_file), data.train_file)}
+        for split, path in (("validation", data.validation_file), ("test", data.test_file)):
+            if path:
+                splits[split] = (read_file(path), path)
+    elif data.dataset_name == "demo":
+        examples = demo()
+        if isinstance(examples, dict):
+            splits = {split: (rows, f"{demo_source}[{split}]") for split, rows in examples.items()}
+        else:
+            splits = {"train": (examples, demo_source)}
+    else:
+        from datasets import load_dataset
+
+        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        splits = {}
+        for split in ("train", "validation", "test"):
+            if split in raw:
+                convert = hub_converter(raw[split].features)
+                splits[split] = ([convert(row) for row in raw[split]], f"{data.dataset_name}[{split}]")
+    if "validation" not in splits and "test" not in splits:
+        examples, source = splits["train"]
+        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
+        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
+    return splits
+
+
+def eval_splits(splits: dict[str, tuple[list[dict], str]], max_samples: int | None) -> dict[str, list[dict]]:
+    """The validation and test examples that exist, each cut to ``max_samples``."""
+    return {split: splits[split][0][:max_samples] for split in ("validation", "test") if splits.get(split, ([],))[0]}
+
+
+def labelled_splits(splits: dict[str, tuple[list[dict], str]], label_key: str, data: DataArguments):
+    """``(labels, train_examples, eval_examples)``: the label list of the whole training split, every validation /
+    test label checked against it (an unseen one is a ``file:line`` error), and the splits cut to
+    ``--max_train_samples`` / ``--max_eval_samples``."""
+    labels = label_list(splits["train"][0], label_key)
+    for split in ("validation", "test"):
+        if split in splits:
+            check_labels(splits[split][0], label_key, labels, splits[split][1])
+    train = splits["train"][0][: data.max_train_samples]
+    return labels, train, eval_splits(splits, data.max_eval_samples)
+
+
+# ---- Model --------------------------------------------------------------------------------------------------------
+
+
+def resolve_model_path(model_name_or_path: str | None) -> str:
+    """The model to start from: the given path or hub id, or the demo's MiniLM encoder when none is given."""
+    return model_name_or_path or demo_model_path()
+
+
+def load_config_and_tokenizer(
+    model_name_or_path: str,
+    tokenizer_name: str | None = None,
+    trust_remote_code: bool = False,
+    **config_kwargs,
+):
+    """The config and tokenizer of ``model_name_or_path``.
+
+    A raw state-dict file (``.pt`` / ``.pth`` / ``.bin`` / ``.safetensors``) has neither: its architecture and
+    tokenizer are the demo model's (or ``tokenizer_name``'s), and :func:`load_weights` loads the file into it.
+    """
+    source = demo_model_path() if is_state_dict_file(model_name_or_path) else model_name_or_path
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **config_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or source, trust_remote_code=trust_remote_code)
+    return config, tokenizer
+
+
+def load_classifier(auto_cls, model_args: ModelArguments, labels: list[str], model_path: str | None = None):
+    """``(model, tokenizer, config)``: ``auto_cls`` (a token / sequence classification class) from
+    ``model_path`` (default ``--model_name_or_path``) with a fresh head over ``labels``."""
+    path = resolve_model_path(model_path or model_args.model_name_or_path)
+    config, tokenizer = load_config_and_tokenizer(
+        path,
+        model_args.tokenizer_name,
+        model_args.trust_remote_code,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    return load_weights(auto_cls, path, config, model_args.trust_remote_code), tokenizer, config
+
+
+def load_weights(auto_cls, model_name_or_path: str, config, trust_remote_code: bool = False):
+    """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights."""
+    if is_state_dict_file(model_name_or_path):
+        # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
+        model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+        load_state_dict_portable(model, model_name_or_path)
+        return model
+    return auto_cls.from_pretrained(model_name_or_path, config=config, trust_remote_code=trust_remote_code)
+
+
+# ---- The end of a run ---------------------------------------------------------------------------------------------
+
+
+def resume_argument(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint``: ``true`` means the newest complete checkpoint in output_dir, else a path."""
+    if value is not None and value.strip().lower() in ("true", "yes", "1"):
+        return True
+    return value or None
+
+
+def train_evaluate_predict(
+    trainer,
+    train_dataset,
+    eval_datasets: dict,
+    write_test_predictions: Callable[[object], None] | None = None,
+) -> dict:
+    """The end of every recipe: train (``--resume_from_checkpoint`` honoured), save the model and the Trainer state,
+    evaluate on validation, predict on test (``write_test_predictions(predictions)`` on rank 0), then write
+    ``all_results.json`` once, atomically, on rank 0. Returns the results.
+    """
+    args = trainer.args
+    results = {}
+    train_result = trainer.train(resume_from_checkpoint=resume_argument(args.resume_from_checkpoint))
+    trainer.save_model()
+    trainer.save_state()
+    results.update(train_result.metrics)
+    results["train_samples"] = len(train_dataset)
+    if "validation" in eval_datasets:
+        results.update(trainer.evaluate())
+        results["eval_samples"] = len(eval_datasets["validation"])
+    if "test" in eval_datasets:
+        output = trainer.predict(eval_datasets["test"], metric_key_prefix="test")
+        results.update(output.metrics)
+        results["test_samples"] = len(eval_datasets["test"])
+        if trainer.is_world_process_zero() and write_test_predictions is not None:
+            write_test_predictions(output.predictions)
+    trainer.log_metrics("all", results)
+    if trainer.is_world_process_zero():
+        write_json_atomic(Path(args.output_dir) / "all_results.json", results)
+    return results
+
+
+def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,35 @@
+"""The private transformers names nlp_tricks relies on (nlp_tricks/_upstream.py) exist on the installed version.
+
+An upgrade that removes or renames one fails here, naming it, rather than deep inside a training step.
+"""
+
+import pytest
+from transformers import Trainer
+
+from nlp_tricks import _upstream
+from tiny import bert_seq_cls, seq_cls_data, tricks_args
+
+
+@pytest.mark.parametrize("name", _upstream.TRAINER_METHODS)
+def test_trainer_method_exists(name):
+    assert callable(getattr(Trainer, name, None)), (
+        f"transformers.Trainer.{name} is gone: update nlp_tricks/_upstream.py"
+    )
+
+
+def test_trainer_attributes_exist(tmp_path):
+    trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
+    missing = [name for name in _upstream.TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
+    assert not missing, f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/_upstream.py"
+    assert _upstream.loss_shifts_labels(trainer) is False  # a classifier's loss does not shift labels
+
+
+def test_is_optimizer_factory_is_callable():
+    assert callable(_upstream.is_optimizer_factory)
+
+
+def test_training_attributes_exist(tmp_path):
+    trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path, max_steps=1), train_dataset=seq_cls_data())
+    trainer.train()
+    missing = [name for name in _upstream.TRAINING_ATTRIBUTES if not hasattr(trainer, name)]
+    assert not missing, f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/_upstream.py"
