@@ -44,8 +44,10 @@ class TricksArguments(TrainingArguments):
     focal_alpha: list[float] | None = field(
         default=None,
         metadata={
-            "help": "Focal loss per-class weights, one per label (e.g. --focal_alpha 0.25 1 1); a weighted mean "
-            "like cross_entropy's `weight`. Default: none."
+            "help": "Focal loss class weights, a weighted mean like cross_entropy's `weight`: one value a (as in "
+            "Lin et al.: a for every class but the background 'O', 1 - a for it; e.g. --focal_alpha 0.25), or one "
+            "weight per class in the order of the model's id2label (the recipes: the sorted training labels; a wrong "
+            "count is an error that prints the order). Default: none."
         },
     )
     temperature: float = field(
@@ -139,7 +141,10 @@ class TricksArguments(TrainingArguments):
             if self.loss_type != "focal":
                 raise ValueError(f"focal_alpha is only used with loss_type='focal', not {self.loss_type!r}")
             if len(self.focal_alpha) == 0 or any(a < 0 for a in self.focal_alpha):
-                raise ValueError(f"focal_alpha={self.focal_alpha} is not allowed; give one weight >= 0 per class")
+                raise ValueError(
+                    f"focal_alpha={self.focal_alpha} is not allowed; give one value in [0, 1] or one weight >= 0 per "
+                    "class"
+                )
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} is not allowed; it must be > 0")
         if not 0.0 <= self.label_smoothing_factor < 1.0:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "focal_alpha_weights",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -136,6 +137,29 @@ def focal_loss(
         weight = valid.to(loss.dtype)
     loss = torch.where(valid, loss * weight, 0.0)
     return _reduce(loss, weight, labels_shape, reduction, num_items_in_batch)
+
+
+def focal_alpha_weights(alpha, label_names: list[str], background: str = "O") -> list[float]:
+    """Per-class focal weights from ``--focal_alpha``: one weight per class as given, or one value ``a`` as in the
+    focal-loss paper: ``a`` for every class but the background one (``background``, NER's ``O``) and ``1 - a`` for
+    it. Raises ``ValueError`` naming the class order when the values do not fit ``label_names``."""
+    alpha = [float(a) for a in alpha]
+    order = ", ".join(f"{i}={name}" for i, name in enumerate(label_names))
+    if len(alpha) == 1:
+        if background not in label_names:
+            raise ValueError(
+                f"focal_alpha with one value weighs the background class {background!r} against the others, and "
+                f"the labels have none; give one weight per class, in this order: {order}"
+            )
+        if not 0.0 <= alpha[0] <= 1.0:
+            raise ValueError(f"focal_alpha={alpha[0]} as one value must be in [0, 1]")
+        return [1.0 - alpha[0] if name == background else alpha[0] for name in label_names]
+    if len(alpha) != len(label_names):
+        raise ValueError(
+            f"focal_alpha has {len(alpha)} weights for {len(label_names)} classes; give one value, or one weight "
+            f"per class in this order: {order}"
+        )
+    return alpha
 
 
 def label_smoothing_cross_entropy(

@@ -15,7 +15,13 @@ from transformers import Trainer
 from . import _upstream
 from .adversarial import FGM, PGD  # --- Adversarial ---
 from .config import TricksArguments
-from .losses import cross_entropy, distillation_loss, focal_loss, label_smoothing_cross_entropy
+from .losses import (
+    cross_entropy,
+    distillation_loss,
+    focal_alpha_weights,
+    focal_loss,
+    label_smoothing_cross_entropy,
+)
 from .outputs import output_logits, output_loss
 from .param_groups import build_param_groups
 from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
@@ -174,13 +180,25 @@ class TricksTrainer(Trainer):
             logits = logits / args.temperature
         if args.loss_type == "focal":
             return focal_loss(
-                logits, labels, gamma=args.focal_gamma, alpha=args.focal_alpha, num_items_in_batch=num_items_in_batch
+                logits,
+                labels,
+                gamma=args.focal_gamma,
+                alpha=self._focal_alpha(),
+                num_items_in_batch=num_items_in_batch,
             )
         if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
             return label_smoothing_cross_entropy(
                 logits, labels, epsilon=args.label_smoothing_factor, num_items_in_batch=num_items_in_batch
             )
         return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch)
+
+    def _focal_alpha(self) -> list[float] | None:
+        """``args.focal_alpha``, one weight per class of the model (:func:`~nlp_tricks.losses.focal_alpha_weights`)."""
+        if self.args.focal_alpha is None:
+            return None
+        id2label = getattr(self.accelerator.unwrap_model(self.model).config, "id2label", None) or {}
+        names = [str(id2label[i]) for i in sorted(id2label)]
+        return focal_alpha_weights(self.args.focal_alpha, names)
 
     def _add_decoder_input_ids(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> None:
         """Encoder-decoder models build decoder inputs from ``labels``; with labels popped we build them here."""

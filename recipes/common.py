@@ -7,6 +7,7 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -21,6 +22,8 @@ from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
 from nlp_tricks.data import DataError, check_labels, demo_model_path, label_list, split_examples
+from nlp_tricks.losses import focal_alpha_weights
+from nlp_tricks.resume import get_last_complete_checkpoint
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -69,18 +72,18 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
     )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh head when the model folder's head has another shape (e.g. a trained NER model "
+            "fine-tuned on data with other labels); its other weights are kept."
+        },
+    )
 
 
 def is_main_process() -> bool:
     """Rank 0 of a launched job (or a plain run), read from the launcher's environment without any collective."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-class _Unset:
-    """Default of an argument whose default depends on another argument's value (see ``dependent_defaults``)."""
-
-    def __repr__(self) -> str:
-        return "<depends on the task>"
 
 
 def parse_recipe_args(
@@ -95,35 +98,46 @@ def parse_recipe_args(
     A ``.yaml`` / ``.yml`` / ``.json`` file given first supplies values, and the flags after it override them
     (``recipe.py run.yaml --max_steps 2``); its unknown keys are reported before anything else, with the closest
     known name. ``defaults`` replace the dataclasses' own defaults (e.g. the recipe's learning rate);
-    ``output_dir`` defaults to ``outputs/<recipe>`` and ``report_to`` to ``none``. ``dependent_defaults``
-    ``(field, {value: {name: default}})`` picks more defaults by the parsed value of ``field`` (self-training's
-    task), unless given. A value the arguments reject prints one line and exits with status 2, as argparse does.
+    ``output_dir`` defaults to ``outputs/<recipe>``, ``report_to`` to ``none`` and ``do_train`` to true
+    (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
+    picks more defaults by the parsed value of ``field`` (self-training's task), unless given. ``--save_steps N``
+    without ``--save_strategy`` saves every N steps. A value the arguments reject prints one line and exits with
+    status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", **(defaults or {})}
+    defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", "do_train": True, **(defaults or {})}
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
         defaults.setdefault("use_cpu", True)
     parser = HfArgumentParser(dataclass_types)
     parser.prog = f"{recipe}.py"
+    parser.allow_abbrev = False  # `given` below reads the flags as typed
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+    if "resume_from_checkpoint" in actions:
+        actions["resume_from_checkpoint"].help = (
+            "Resume training: 'true' picks the newest COMPLETE checkpoint-N in --output_dir (a folder a crash left "
+            "half-written is skipped with a warning), or give a checkpoint folder. Checkpoints are written with "
+            "--save_steps N (or --save_strategy epoch)."
+        )
     from_file = {}
     if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
         from_file = _read_config_file(parser, argv.pop(0), actions)
-        defaults.update(from_file)
-    dependent = {}
-    if dependent_defaults is not None:
-        key, by_value = dependent_defaults
-        dependent = {name: _Unset() for values in by_value.values() for name in values if name not in from_file}
-    parser.set_defaults(**{**defaults, **dependent})
+    parser.set_defaults(**{**defaults, **from_file})
     namespace = parser.parse_args(argv)
+    given = set(from_file) | {
+        action.dest
+        for action in parser._actions
+        for option in action.option_strings
+        if any(arg == option or arg.startswith(option + "=") for arg in argv)
+    }
     if dependent_defaults is not None:
         key, by_value = dependent_defaults
-        for name in dependent:
-            if isinstance(getattr(namespace, name), _Unset):
-                value = by_value.get(getattr(namespace, key), {}).get(name, defaults.get(name))
-                setattr(namespace, name, value if value is not None else parser.get_default(name))
+        for name, value in by_value.get(getattr(namespace, key), {}).items():
+            if name not in given:
+                setattr(namespace, name, value)
+    if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
+        namespace.save_strategy = "steps"
     try:
         return tuple(
             dtype(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(dtype) if f.init})
@@ -236,7 +250,12 @@ def load_splits(
     else:
         from datasets import load_dataset
 
-        raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        try:
+            raw = load_dataset(data.dataset_name, data.dataset_config_name)
+        except (OSError, ValueError, ConnectionError) as err:  # no such dataset, or offline (HF_DATASETS_OFFLINE)
+            raise DataError(
+                None, None, f"--dataset_name {data.dataset_name}: cannot load it: {_first_sentence(err)}"
+            ) from err
         splits = {}
         for split in ("train", "validation", "test"):
             if split in raw:
@@ -259,11 +278,24 @@ def labelled_splits(splits: dict[str, tuple[list[dict], str]], label_key: str, d
     test label checked against it (an unseen one is a ``file:line`` error), and the splits cut to
     ``--max_train_samples`` / ``--max_eval_samples``."""
     labels = label_list(splits["train"][0], label_key)
+    if len(labels) < 2:
+        raise DataError(
+            splits["train"][1], None, f"only one label ({labels[0]!r}) in the training data; a classifier needs two"
+        )
     for split in ("validation", "test"):
         if split in splits:
             check_labels(splits[split][0], label_key, labels, splits[split][1])
     train = splits["train"][0][: data.max_train_samples]
     return labels, train, eval_splits(splits, data.max_eval_samples)
+
+
+def check_label_arguments(training_args, labels: list[str]) -> None:
+    """Arguments that depend on the labels (``--focal_alpha``) checked before any model loads: one line if wrong."""
+    if getattr(training_args, "focal_alpha", None) is not None:
+        try:
+            focal_alpha_weights(training_args.focal_alpha, labels)
+        except ValueError as err:
+            raise DataError(None, None, f"--focal_alpha: {err}") from err
 
 
 # ---- Model --------------------------------------------------------------------------------------------------------
@@ -286,9 +318,35 @@ def load_config_and_tokenizer(
     tokenizer are the demo model's (or ``tokenizer_name``'s), and :func:`load_weights` loads the file into it.
     """
     source = demo_model_path() if is_state_dict_file(model_name_or_path) else model_name_or_path
-    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **config_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or source, trust_remote_code=trust_remote_code)
+    with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **config_kwargs)
+    with _one_line_errors(f"--tokenizer_name {tokenizer_name or source}"):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or source, trust_remote_code=trust_remote_code)
     return config, tokenizer
+
+
+@contextlib.contextmanager
+def _one_line_errors(what: str):
+    """A model / dataset that cannot be loaded (no such folder, a Hub id while offline, a head of another shape)
+    becomes one :class:`DataError` line naming the flag, instead of a traceback."""
+    try:
+        yield
+    except OSError as err:  # transformers' "not a folder, not reachable on the Hub" (and offline mode)
+        raise DataError(None, None, f"{what}: cannot load it: {_first_sentence(err)}") from err
+    except RuntimeError as err:
+        if "ignore_mismatched_sizes" not in str(err):
+            raise
+        raise DataError(
+            None,
+            None,
+            f"{what}: its head has another shape than this data's labels need; add --ignore_mismatched_sizes true "
+            "to start a fresh head",
+        ) from err
+
+
+def _first_sentence(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text.split(". ")[0].rstrip(".") if text else type(err).__name__
 
 
 def load_classifier(auto_cls, model_args: ModelArguments, labels: list[str], model_path: str | None = None):
@@ -303,17 +361,32 @@ def load_classifier(auto_cls, model_args: ModelArguments, labels: list[str], mod
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
     )
-    return load_weights(auto_cls, path, config, model_args.trust_remote_code), tokenizer, config
+    model = load_weights(
+        auto_cls,
+        path,
+        config,
+        model_args.trust_remote_code,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+    )
+    return model, tokenizer, config
 
 
-def load_weights(auto_cls, model_name_or_path: str, config, trust_remote_code: bool = False):
+def load_weights(
+    auto_cls, model_name_or_path: str, config, trust_remote_code: bool = False, ignore_mismatched_sizes: bool = False
+):
     """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights."""
     if is_state_dict_file(model_name_or_path):
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
         load_state_dict_portable(model, model_name_or_path)
         return model
-    return auto_cls.from_pretrained(model_name_or_path, config=config, trust_remote_code=trust_remote_code)
+    with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
+        return auto_cls.from_pretrained(
+            model_name_or_path,
+            config=config,
+            trust_remote_code=trust_remote_code,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+        )
 
 
 # ---- The end of a run ---------------------------------------------------------------------------------------------
@@ -332,17 +405,27 @@ def train_evaluate_predict(
     eval_datasets: dict,
     write_test_predictions: Callable[[object], None] | None = None,
 ) -> dict:
-    """The end of every recipe: train (``--resume_from_checkpoint`` honoured), save the model and the Trainer state,
+    """The end of every recipe: train (``--resume_from_checkpoint`` honoured; skipped with ``--do_train false``), save
+    the model and the Trainer state,
     evaluate on validation, predict on test (``write_test_predictions(predictions)`` on rank 0), then write
     ``all_results.json`` once, atomically, on rank 0. Returns the results.
     """
     args = trainer.args
     results = {}
-    train_result = trainer.train(resume_from_checkpoint=resume_argument(args.resume_from_checkpoint))
-    trainer.save_model()
-    trainer.save_state()
-    results.update(train_result.metrics)
-    results["train_samples"] = len(train_dataset)
+    if args.do_train:
+        resume = resume_argument(args.resume_from_checkpoint)
+        if resume is True and get_last_complete_checkpoint(args.output_dir) is None:
+            raise DataError(
+                None,
+                None,
+                f"--resume_from_checkpoint true: no complete checkpoint-N in {args.output_dir} (a run writes them "
+                "with --save_steps N or --save_strategy epoch)",
+            )
+        train_result = trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model()
+        trainer.save_state()
+        results.update(train_result.metrics)
+        results["train_samples"] = len(train_dataset)
     if "validation" in eval_datasets:
         results.update(trainer.evaluate())
         results["eval_samples"] = len(eval_datasets["validation"])

@@ -50,6 +50,7 @@ from nlp_tricks.metrics import load_metric
 from common import (
     DataArguments,
     ModelArguments,
+    check_label_arguments,
     labelled_splits,
     load_classifier,
     load_splits,
@@ -193,6 +194,7 @@ def main() -> None:
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     labels, train_examples, eval_examples = labelled_splits(load_ner_splits(data_args), "ner_tags", data_args)
+    check_label_arguments(training_args, labels)
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 

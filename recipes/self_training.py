@@ -68,6 +68,7 @@ from classification import (
 )
 from common import (
     ModelArguments,
+    check_label_arguments,
     is_main_process,
     labelled_splits,
     load_classifier,
@@ -474,6 +475,7 @@ def main() -> None:
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     data = setup_data(data_args)
+    check_label_arguments(training_args, data["labels"])
 
     # ---- Round 1's teacher on the labelled data, then teacher -> student rounds ----
     teacher = train_teacher(task, data, data_args, model_args, training_args, out)

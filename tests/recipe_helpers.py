@@ -132,6 +132,16 @@ def assert_saved(out: Path, predictions: str, keys: list[str]) -> dict:
     return results
 
 
+CLS_ROWS = [
+    ("the cat sat on the mat", "animal"),
+    ("john works at google", "work"),
+    ("the dog ran", "animal"),
+    ("mary works at acme in paris", "work"),
+    ("a cat ran in london", "animal"),
+    ("john works", "work"),
+]
+
+
 def write_csv(path: Path, rows: list[tuple[str, str]]) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from recipe_helpers import (
+    CLS_ROWS,
     ROOT,
     TEST_CONLL,
     TRAIN_CONLL,
@@ -109,16 +110,6 @@ def test_ner_demo_real_minilm_smoke(tmp_path):
 
 
 # ---- Classification -----------------------------------------------------------------------------------------------
-
-
-CLS_ROWS = [
-    ("the cat sat on the mat", "animal"),
-    ("john works at google", "work"),
-    ("the dog ran", "animal"),
-    ("mary works at acme in paris", "work"),
-    ("a cat ran in london", "animal"),
-    ("john works", "work"),
-]
 
 
 def test_classification_local_csv_cpu_config(tiny_model, tmp_path):
