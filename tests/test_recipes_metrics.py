@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import evaluate
@@ -12,14 +10,6 @@ import pytest
 from nlp_tricks.metrics import METRICS, load_metric, metric_path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +31,16 @@ def word_tokenizer():
 
 
 def test_ner_labels_on_first_sub_token(word_tokenizer):
-    ner = load_recipe("ner")
+    import ner
+
     label2id = {"B-LOC": 0, "B-PER": 1, "I-LOC": 2, "O": 3}
     examples = [{"tokens": ["John", "lives", "in", "New-York", "."], "ner_tags": ["B-PER", "O", "O", "B-LOC", "O"]}]
     # Sub-tokens: [CLS] john lives in new - york . [SEP]
-    first_only = ner.tokenize(examples, word_tokenizer, label2id, 64, label_all_tokens=False)
+    first_only = ner.tokenize_ner(examples, word_tokenizer, label2id, 64, label_all_tokens=False)
     assert first_only["labels"] == [[-100, 1, 3, 3, 0, -100, -100, 3, -100]]
-    every = ner.tokenize(examples, word_tokenizer, label2id, 64, label_all_tokens=True)
+    every = ner.tokenize_ner(examples, word_tokenizer, label2id, 64, label_all_tokens=True)
     assert every["labels"] == [[-100, 1, 3, 3, 0, 2, 2, 3, -100]]  # continuation of B-LOC is I-LOC
-    truncated = ner.tokenize(examples, word_tokenizer, label2id, 6, label_all_tokens=False)
+    truncated = ner.tokenize_ner(examples, word_tokenizer, label2id, 6, label_all_tokens=False)
     assert truncated["labels"] == [[-100, 1, 3, 3, 0, -100]]
 
 
