@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
-from nlp_tricks.data import DataError, check_labels, demo_model_path, label_list, split_examples
+from nlp_tricks.data import DataError, check_labels, demo_model_path, kfold_examples, label_list, split_examples
 from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.resume import get_last_complete_checkpoint
 
@@ -48,8 +48,23 @@ class DataArguments:
         default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
     )
     split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
+    num_folds: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cross-validation of single-split data: cut it into N folds once (shuffled with --split_seed); "
+            "with --fold K the run tests on fold K and trains on the rest, a tenth of which is held out for "
+            "validation. recipes/ablation.py --folds N runs every fold."
+        },
+    )
+    fold: int | None = field(default=None, metadata={"help": "The test fold of --num_folds, 0 to N - 1."})
 
     def __post_init__(self):
+        if (self.num_folds is None) != (self.fold is None):
+            raise ValueError("num_folds and fold go together (e.g. --num_folds 5 --fold 0)")
+        if self.num_folds is not None and not (self.num_folds >= 2 and 0 <= self.fold < self.num_folds):
+            raise ValueError(
+                f"num_folds={self.num_folds}, fold={self.fold}: need num_folds >= 2, 0 <= fold < num_folds"
+            )
         for f in dataclasses.fields(self):
             if f.name.startswith("max_") and f.name.endswith("_length") and getattr(self, f.name) < 2:
                 raise ValueError(f"{f.name}={getattr(self, f.name)} is not allowed; it must be >= 2")
@@ -261,7 +276,17 @@ def load_splits(
             if split in raw:
                 convert = hub_converter(raw[split].features)
                 splits[split] = ([convert(row) for row in raw[split]], f"{data.dataset_name}[{split}]")
-    if "validation" not in splits and "test" not in splits:
+    if getattr(data, "num_folds", None) is not None:
+        if "validation" in splits or "test" in splits:
+            raise DataError(
+                None,
+                None,
+                "--num_folds needs single-split data (a --train_file alone, or the NER / classification demo)",
+            )
+        examples, source = splits["train"]
+        train, validation, test = kfold_examples(examples, data.num_folds, data.fold, seed=data.split_seed)
+        splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
+    elif "validation" not in splits and "test" not in splits:
         examples, source = splits["train"]
         train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
         splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}

@@ -225,3 +225,24 @@ def split_examples(
         parts.append([examples[j] for j in order[start:end]])
         start = end
     return tuple(parts)
+
+
+def kfold_examples(
+    examples: Sequence, num_folds: int, fold: int, seed: int = 42, validation_fraction: float = 0.1
+) -> tuple[list, list, list]:
+    """``(train, validation, test)`` of fold ``fold`` in a ``num_folds``-fold cross-validation, deterministic.
+
+    The examples are shuffled once with ``seed`` (so every fold of every configuration cuts the same folds); example
+    ``i`` of that order is in fold ``i % num_folds``. The test part is the fold; ``validation_fraction`` of the rest
+    is held out for validation (choosing a learning rate, early stopping), never the test fold.
+    """
+    if int(num_folds) != num_folds or num_folds < 2:
+        raise ValueError(f"num_folds={num_folds} is not allowed; it must be an integer >= 2")
+    if not 0 <= fold < num_folds:
+        raise ValueError(f"fold={fold} is not allowed; it must be in [0, {num_folds - 1}]")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    test = [examples[j] for i, j in enumerate(order) if i % num_folds == fold]
+    rest = [examples[j] for i, j in enumerate(order) if i % num_folds != fold]
+    n_validation = round(validation_fraction * len(rest))
+    return rest[n_validation:], rest[:n_validation], test
