@@ -1,20 +1,31 @@
-"""Ablation: run a recipe once per trick configuration, seed (and learning rate), then tabulate and plot.
+"""Ablation: run a recipe once per trick configuration, seed, learning rate (and fold), then tabulate and plot.
 
     python recipes/ablation.py --recipe ner --seeds 3 --output_dir ablation/ner
-    python recipes/ablation.py --recipe ner --seeds 3 --lrs 3e-5,5e-5,1e-4 --output_dir ablation/ner
+    python recipes/ablation.py --recipe ner --folds 5 --seeds 1 --lrs 1.5e-4,3e-4 --jobs 2 --output_dir ablation/ner_cv
     python recipes/ablation.py --recipe ner --seeds 1 --max_steps 20 --output_dir /tmp/abl -- --max_train_samples 64
 
-Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s> --seed <s>
-[--learning_rate lr] <config flags> <flags after -->`` (the file of the recipe module it imports), one after another.
-A run that finished with the same flags is not rerun, so an interrupted ablation resumes where it stopped (and a call
-with a subset of ``--configurations`` tabulates finished runs). Writes ``ablation.md`` (mean ± std of the main
-metric, time per step and peak memory relative to the baseline), ``ablation.png`` (bars with error bars) and
-``ablation.json`` (every run).
+Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s>[/fold<k>] --seed <s>
+[--learning_rate lr] [--num_folds K --fold k] <config flags> <flags after -->`` (the file of the recipe module it
+imports); ``--jobs N`` runs N at a time, each on one torch thread. A run that finished with the same flags is not
+rerun, so an interrupted ablation resumes where it stopped. The recipe's trivial baselines (``recipes/baselines.py``:
+NER gazetteer, classification TF-IDF + logistic regression, summarization copy and lead-3) run on the same splits
+as rows of the table.
 
-Fair comparison: FGM and PGD add the clean and adversarial gradients, which acts like a larger step, so a table at
-one learning rate can credit a trick with a learning-rate effect. With ``--lrs`` the table shows both the result at
-the first learning rate of the list and each configuration's best learning rate, chosen on validation and reported
-on test.
+Protocol:
+
+- ``--folds K`` (single-split data): the data is cut into K folds once (``--split_seed``); every configuration runs
+  on the same folds and seeds, so comparisons are paired; every example is predicted once by a model that did not
+  see it, and the metric is computed on the pooled test predictions of all folds.
+- Learning rates (``--lrs``) are chosen per configuration and fold on that fold's validation part (a tenth of its
+  training data, or the recipe's validation split without folds), never on a test fold; the table shows the
+  first learning rate of the list and the chosen one.
+- The difference from ``baseline`` comes with a 95% interval from a paired bootstrap over examples (sentences,
+  texts, documents; ``--resamples``, default 1000): each resample draws the examples with replacement and
+  recomputes both systems' metric on the same draw, the seeds' predictions of an example counted together. A
+  difference whose interval excludes zero is marked ``*``.
+
+Writes ``ablation.md`` (the table), ``ablation.png`` (the differences with their intervals) and ``ablation.json``
+(every run, every row).
 """
 
 from __future__ import annotations
@@ -28,8 +39,12 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+
+import evidence
+import numpy as np
 
 # configuration name -> recipe flags. Plain data: add a row to ablate another trick.
 CONFIGURATIONS = {
@@ -40,6 +55,9 @@ CONFIGURATIONS = {
     "label_smoothing": ["--loss_type", "label_smoothing", "--label_smoothing_factor", "0.1"],
     "layer_decay": ["--layer_decay", "0.9"],
 }
+# task -> its trivial baselines (recipes/baselines.py --baseline NAME), run as rows beside the models
+TRIVIAL_BASELINES = {"ner": ["gazetteer"], "classification": ["tfidf_lr"], "summarization": ["copy", "lead3"]}
+BASELINES_SCRIPT = Path(__file__).resolve().with_name("baselines.py")
 
 
 def load_recipe(name: str) -> ModuleType:
@@ -67,8 +85,8 @@ def default_configurations(recipe: ModuleType) -> dict[str, list[str]]:
     return {**CONFIGURATIONS, **getattr(recipe, "ABLATION_CONFIGURATIONS", {})}
 
 
-def run_one(recipe: ModuleType, run_dir: Path, flags: list[str]) -> dict:
-    """Run the recipe once (unless its all_results.json exists); return its results plus time and memory."""
+def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
+    """Run ``script`` once (unless it finished with these flags); return its results plus time and memory."""
     results_path = run_dir / "all_results.json"
     record_path = run_dir / "ablation_run.json"
     if results_path.is_file() and record_path.is_file():
@@ -77,7 +95,7 @@ def run_one(recipe: ModuleType, run_dir: Path, flags: list[str]) -> dict:
             return record
         print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, recipe.__file__, "--output_dir", str(run_dir), *flags]
+    command = [sys.executable, script, "--output_dir", str(run_dir), *flags]
     print(f"[ablation] {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(run_dir / "ablation_log.txt", "w") as log:
@@ -87,12 +105,13 @@ def run_one(recipe: ModuleType, run_dir: Path, flags: list[str]) -> dict:
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not results_path.is_file():
         tail = (run_dir / "ablation_log.txt").read_text().strip().splitlines()[-5:]
-        raise RuntimeError(f"{run_dir}: the recipe failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        raise RuntimeError(f"{run_dir}: the run failed (exit {proc.returncode}):\n" + "\n".join(tail))
     results = json.loads(results_path.read_text())
     state_path = run_dir / "trainer_state.json"
     steps = json.loads(state_path.read_text()).get("global_step") if state_path.is_file() else None
     record = {
         "flags": flags,
+        "run_dir": str(run_dir),
         "results": results,
         "wall_seconds": wall,
         "train_seconds_per_step": results.get("train_runtime", wall) / steps if steps else None,
@@ -113,59 +132,108 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(runs: dict, metric: str, lrs: list[str]) -> list[dict]:
-    """One row per configuration: same-lr and best-lr metric (mean ± std over seeds), cost relative to baseline."""
-    rows = []
+# ---- Tables ---------------------------------------------------------------------------------------------------------
+
+
+def summarize(
+    runs: dict, task: str, metric: str, lrs: list[str], resamples: int = 1000, reference: str = "baseline"
+) -> list[dict]:
+    """One row per configuration (and trivial baseline).
+
+    ``runs[config][lr][seed][fold]`` is a run record. Per fold, the learning rate with the best validation metric
+    (mean over seeds) is chosen; the test predictions of the folds are pooled per seed; the row holds the pooled
+    metric (mean ± std over seeds) at the first and at the chosen learning rate, the difference from ``reference``
+    with its paired-bootstrap interval, and the cost relative to it.
+    """
+    labels = _classification_labels(runs) if task == "classification" else None
+    rows_cache: dict[str, np.ndarray] = {}
+
+    def example_rows(record: dict) -> np.ndarray:
+        if record["run_dir"] not in rows_cache:
+            rows_cache[record["run_dir"]] = evidence.example_rows(task, record["run_dir"], labels)
+        return rows_cache[record["run_dir"]]
+
+    def pooled(by_lr: dict, chosen: dict[str, str]) -> list[np.ndarray]:
+        seeds = sorted(next(iter(by_lr.values())))
+        return [np.concatenate([example_rows(by_lr[chosen[f]][s][f]) for f in sorted(chosen)]) for s in seeds]
+
+    table, pooled_rows = [], {}
     for config, by_lr in runs.items():
-        row = {"configuration": config}
-        per_lr = {}
-        for lr, records in by_lr.items():
-            evals = [_metric(r["results"], metric, "eval") for r in records]
-            tests = [_metric(r["results"], metric, "test") for r in records]
-            tests = tests if all(t is not None for t in tests) else evals
-            per_lr[lr] = {"eval": _mean_std(evals), "test": _mean_std(tests)}
-        row["same_lr"] = per_lr[lrs[0]]["test"]
-        best_lr = max(per_lr, key=lambda lr: per_lr[lr]["eval"][0])
-        row["best_lr"], row["best"] = best_lr, per_lr[best_lr]["test"]
-        records = by_lr[lrs[0]]
-        row["seconds_per_step"] = statistics.fmean(r["train_seconds_per_step"] or 0.0 for r in records)
-        row["peak_memory_mb"] = statistics.fmean(r["peak_memory_mb"] for r in records)
-        rows.append(row)
-    base = next((r for r in rows if r["configuration"] == "baseline"), rows[0])
-    for row in rows:
+        folds = sorted(next(iter(next(iter(by_lr.values())).values())))
+        chosen = {}
+        for fold in folds:
+
+            def validation(lr: str, fold=fold, by_lr=by_lr) -> float:
+                return statistics.fmean(_metric(r[fold]["results"], metric, "eval") or 0.0 for r in by_lr[lr].values())
+
+            chosen[fold] = max(by_lr, key=validation)
+        first = lrs[0] if lrs[0] in by_lr else next(iter(by_lr))
+        at_first = pooled(by_lr, {f: first for f in folds})
+        at_chosen = pooled(by_lr, chosen)
+        pooled_rows[config] = sum(at_chosen)  # the seeds' predictions of an example, counted together
+        records = [r for by_seed in by_lr[first].values() for r in by_seed.values()]
+        steps = [r["train_seconds_per_step"] for r in records if r["train_seconds_per_step"]]
+        table.append(
+            {
+                "configuration": config,
+                "same_lr": _mean_std([evidence.corpus_metric(task, metric, r) for r in at_first]),
+                "best": _mean_std([evidence.corpus_metric(task, metric, r) for r in at_chosen]),
+                "best_lr": sorted(set(chosen.values())),
+                "examples": int(at_chosen[0].shape[0]),
+                "seconds_per_step": statistics.fmean(steps) if steps else None,
+                "peak_memory_mb": statistics.fmean(r["peak_memory_mb"] for r in records),
+            }
+        )
+    base = next((r for r in table if r["configuration"] == reference), table[0])
+    for row in table:
+        diff, low, high = evidence.paired_bootstrap(
+            task, metric, pooled_rows[base["configuration"]], pooled_rows[row["configuration"]], resamples
+        )
+        row["difference"] = {"value": diff, "low": low, "high": high, "significant": not (low <= 0.0 <= high)}
         row["time_vs_baseline"] = (
-            row["seconds_per_step"] / base["seconds_per_step"] if base["seconds_per_step"] else None
+            row["seconds_per_step"] / base["seconds_per_step"]
+            if row["seconds_per_step"] and base["seconds_per_step"]
+            else None
         )
         row["memory_vs_baseline"] = row["peak_memory_mb"] / base["peak_memory_mb"]
-    return rows
+    return table
 
 
-def write_markdown(rows: list[dict], metric: str, lrs: list[str], seeds: int, path: Path) -> None:
-    sweep = len(lrs) > 1
-    head = f"| configuration | {metric} (lr {lrs[0]}) |"
-    rule = "|---|---|"
-    if sweep:
-        head += f" {metric} (best lr, chosen on validation) | best lr |"
-        rule += "---|---|"
-    head += " time / step vs baseline | peak memory vs baseline |"
-    rule += "---|---|"
+def _classification_labels(runs: dict) -> list[str]:
+    """Every label in any classification predictions file, so all rows share one column layout."""
+    labels = set()
+    for by_lr in runs.values():
+        for by_seed in by_lr.values():
+            for by_fold in by_seed.values():
+                for record in by_fold.values():
+                    labels.update(evidence.classification_rows(Path(record["run_dir"]) / "test_predictions.csv")[1])
+    return sorted(labels)
+
+
+def write_markdown(table: list[dict], metric: str, lrs: list[str], seeds: int, folds: int | None, path: Path) -> None:
+    split = f"pooled test predictions of {folds} folds" if folds else "the test split"
     lines = [
-        f"Mean ± std over {seeds} seed(s); test split (validation where the recipe has no test split).",
+        f"{metric} on {split} ({table[0]['examples']} examples); mean ± std over {seeds} seed(s). Difference: chosen "
+        "lr minus baseline, [95% paired-bootstrap interval], * where it excludes 0. Time and memory at the first lr.",
         "",
-        head,
-        rule,
+        f"| configuration | {metric} (lr {lrs[0]}) | {metric} (lr chosen on validation) | chosen lr | difference "
+        "vs baseline | time / step vs baseline | peak memory vs baseline |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        line = f"| {r['configuration']} | {r['same_lr'][0]:.4f} ± {r['same_lr'][1]:.4f} |"
-        if sweep:
-            line += f" {r['best'][0]:.4f} ± {r['best'][1]:.4f} | {r['best_lr']} |"
+    for r in table:
+        d = r["difference"]
+        mark = " *" if d["significant"] and r["configuration"] != "baseline" else ""
         t = f"{r['time_vs_baseline']:.2f}x" if r["time_vs_baseline"] else "n/a"
-        line += f" {t} | {r['memory_vs_baseline']:.2f}x |"
-        lines.append(line)
+        lines.append(
+            f"| {r['configuration']} | {r['same_lr'][0]:.4f} ± {r['same_lr'][1]:.4f} | {r['best'][0]:.4f} ± "
+            f"{r['best'][1]:.4f} | {', '.join(r['best_lr'])} | {d['value']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+            f"{mark} | {t} | {r['memory_vs_baseline']:.2f}x |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(rows: list[dict], metric: str, lrs: list[str], path: Path) -> bool:
+def write_plot(table: list[dict], metric: str, path: Path) -> bool:
+    """The differences from the baseline with their 95% intervals, one bar per configuration."""
     try:
         import matplotlib
 
@@ -174,36 +242,30 @@ def write_plot(rows: list[dict], metric: str, lrs: list[str], path: Path) -> boo
     except ImportError:
         print('[ablation] matplotlib is missing (pip install "nlp-tricks[plot]"): no ablation.png', file=sys.stderr)
         return False
-    names = [r["configuration"] for r in rows]
+    rows = [r for r in table if r["configuration"] != "baseline"]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4), dpi=110)
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4), dpi=110)
-    width = 0.4 if len(lrs) > 1 else 0.6
-    ax.bar(
-        [i - (width / 2 if len(lrs) > 1 else 0) for i in x],
-        [r["same_lr"][0] for r in rows],
-        width,
-        yerr=[r["same_lr"][1] for r in rows],
-        capsize=4,
-        label=f"lr {lrs[0]}",
-    )
-    if len(lrs) > 1:
-        ax.bar(
-            [i + width / 2 for i in x],
-            [r["best"][0] for r in rows],
-            width,
-            yerr=[r["best"][1] for r in rows],
-            capsize=4,
-            label="best lr",
-        )
-    ax.set_xticks(list(x), names, rotation=20)
-    ax.set_ylabel(metric)
-    ax.set_title(f"Ablation: {metric} per configuration (mean ± std over seeds)")
-    ax.legend(fontsize=8)
+    values = [r["difference"]["value"] for r in rows]
+    errors = [
+        [v - r["difference"]["low"] for v, r in zip(values, rows)],
+        [r["difference"]["high"] - v for v, r in zip(values, rows)],
+    ]
+    colors = ["tab:green" if r["difference"]["significant"] else "tab:gray" for r in rows]
+    ax.bar(list(x), values, 0.6, yerr=errors, capsize=4, color=colors)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(x), [r["configuration"] for r in rows], rotation=25, ha="right")
+    ax.set_ylabel(f"{metric} minus baseline")
+    ax.set_title("Difference from the baseline, 95% paired-bootstrap interval (green: excludes 0)", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+# ---- The runner -----------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,25 +277,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--recipe", required=True, help="ner, classification, summarization, or a recipe .py path")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per configuration (1, 2, ...)")
+    parser.add_argument("--folds", type=int, default=None, help="K-fold cross-validation of single-split data")
     parser.add_argument("--output_dir", required=True, help="where runs, ablation.md and ablation.png go")
     parser.add_argument("--lrs", default=None, help="comma-separated learning rates to sweep, e.g. 3e-5,5e-5,1e-4")
     parser.add_argument("--max_steps", type=int, default=None, help="passed to every run (quick ablations)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each on OMP_NUM_THREADS=1 unless set)")
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (>= 1000 recommended)")
     parser.add_argument(
         "--configurations",
         default=None,
         help=f"comma-separated subset of: {', '.join(CONFIGURATIONS)} (and the recipe's own, e.g. summarization: "
         "scheduled_sampling, untied)",
     )
-    parser.add_argument("--metric", default=None, help="main metric (default: f1 for ner/classification, rougeL)")
+    parser.add_argument("--no_trivial_baselines", action="store_true", help="leave out the trivial baseline rows")
+    parser.add_argument("--metric", default=None, help="main metric (default: the recipe's MAIN_METRIC)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    if args.folds is not None and args.folds < 2:
+        parser.error("--folds must be >= 2")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
 
     try:
         recipe = load_recipe(args.recipe)
     except FileNotFoundError as err:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
+    task = Path(recipe.__file__).stem
     configs = default_configurations(recipe)
     if args.configurations:
         wanted = args.configurations.split(",")
@@ -241,32 +312,58 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--configurations: unknown {unknown}; choose from {list(configs)}")
         configs = {c: configs[c] for c in wanted}
+    if "baseline" not in configs:
+        configs = {"baseline": CONFIGURATIONS["baseline"], **configs}
     lrs = args.lrs.split(",") if args.lrs else ["default"]
     metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
     out = Path(args.output_dir)
+    folds = list(range(args.folds)) if args.folds else [None]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    runs: dict[str, dict[str, list[dict]]] = {}
-    try:
-        for config, config_flags in configs.items():
-            for lr in lrs:
-                for seed in range(1, args.seeds + 1):
+    jobs = []  # (config, lr, seed, fold, script, run_dir, flags)
+    for config, config_flags in configs.items():
+        for lr in lrs:
+            for seed in range(1, args.seeds + 1):
+                for fold in folds:
                     flags = ["--seed", str(seed), *config_flags, *recipe_flags]
                     if lr != "default":
                         flags += ["--learning_rate", lr]
                     if args.max_steps is not None:
                         flags += ["--max_steps", str(args.max_steps)]
-                    record = run_one(recipe, out / config / f"lr{lr}" / f"seed{seed}", flags)
-                    runs.setdefault(config, {}).setdefault(lr, []).append(record)
+                    run_dir = out / config / f"lr{lr}" / f"seed{seed}"
+                    if fold is not None:
+                        flags += ["--num_folds", str(args.folds), "--fold", str(fold)]
+                        run_dir = run_dir / f"fold{fold}"
+                    jobs.append((config, lr, seed, fold, recipe.__file__, run_dir, flags))
+    if task in TRIVIAL_BASELINES and not args.no_trivial_baselines:
+        for name in TRIVIAL_BASELINES[task]:
+            for fold in folds:  # deterministic: one run per fold stands for every seed and lr
+                flags = ["--baseline", name, *recipe_flags]
+                run_dir = out / name
+                if fold is not None:
+                    flags += ["--num_folds", str(args.folds), "--fold", str(fold)]
+                    run_dir = run_dir / f"fold{fold}"
+                jobs.append((name, "-", 1, fold, str(BASELINES_SCRIPT), run_dir, flags))
+
+    runs: dict = {}
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            records = list(pool.map(lambda job: run_one(job[4], job[5], job[6]), jobs))
     except RuntimeError as err:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
+    for (config, lr, seed, fold, *_), record in zip(jobs, records):
+        runs.setdefault(config, {}).setdefault(lr, {}).setdefault(seed, {})[fold] = record
+    for name in TRIVIAL_BASELINES.get(task, []):  # the same predictions for every seed
+        if name in runs:
+            runs[name]["-"] = {s: runs[name]["-"][1] for s in range(1, args.seeds + 1)}
 
-    rows = summarize(runs, metric, lrs)
+    table = summarize(runs, task, metric, lrs, args.resamples)
     (out / "ablation.json").write_text(
-        json.dumps({"metric": metric, "lrs": lrs, "rows": rows, "runs": runs}, indent=2)
+        json.dumps({"metric": metric, "lrs": lrs, "folds": args.folds, "rows": table, "runs": runs}, indent=2)
     )
-    write_markdown(rows, metric, lrs, args.seeds, out / "ablation.md")
-    write_plot(rows, metric, lrs, out / "ablation.png")
+    write_markdown(table, metric, lrs, args.seeds, args.folds, out / "ablation.md")
+    write_plot(table, metric, out / "ablation.png")
     print((out / "ablation.md").read_text())
     return 0
 

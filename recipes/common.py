@@ -285,7 +285,9 @@ def load_splits(
             )
         examples, source = splits["train"]
         train, validation, test = kfold_examples(examples, data.num_folds, data.fold, seed=data.split_seed)
+        # "all": every fold's model knows every label, even one that occurs only in its test fold.
         splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
+        splits["all"] = (examples, source)
     elif "validation" not in splits and "test" not in splits:
         examples, source = splits["train"]
         train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
@@ -302,7 +304,7 @@ def labelled_splits(splits: dict[str, tuple[list[dict], str]], label_key: str, d
     """``(labels, train_examples, eval_examples)``: the label list of the whole training split, every validation /
     test label checked against it (an unseen one is a ``file:line`` error), and the splits cut to
     ``--max_train_samples`` / ``--max_eval_samples``."""
-    labels = label_list(splits["train"][0], label_key)
+    labels = label_list(splits.get("all", splits["train"])[0], label_key)
     if len(labels) < 2:
         raise DataError(
             splits["train"][1], None, f"only one label ({labels[0]!r}) in the training data; a classifier needs two"
