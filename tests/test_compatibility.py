@@ -27,7 +27,9 @@ from transformers import (
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from tiny import VOCAB, ListDataset, bert_seq_cls
+from nlp_tricks.seq2seq import Seq2SeqTricksTrainer
+from tiny import VOCAB, ListDataset, bart_lm, bert_seq_cls
+from tiny_seq2seq import seq2seq_args
 from tiny_zoo import CASES, CONFIGS, Case
 
 CAUSAL_SHIFT = pytest.mark.xfail(strict=True, reason="causal-LM shift lands with #15")
@@ -275,6 +277,20 @@ def test_compute_loss_func_refuses_the_loss_tricks_it_would_replace(tmp_path, tr
     args = matrix_args(TricksArguments, tmp_path, **tricks)
     with pytest.raises(ValueError, match=f"compute_loss_func replaces the training loss, so {re.escape(named)}"):
         TricksTrainer(model=bert_seq_cls(), args=args, compute_loss_func=_weighted_ce)
+
+
+def test_compute_loss_func_refuses_scheduled_sampling(tmp_path):
+    args = seq2seq_args(tmp_path, scheduled_sampling="constant", ss_k=0.5)
+    with pytest.raises(ValueError, match="so scheduled_sampling='constant' would not apply"):
+        Seq2SeqTricksTrainer(model=bart_lm(), args=args, compute_loss_func=_weighted_ce)
+
+
+def test_compute_loss_func_refuses_a_distillation_batch(tmp_path):
+    case = Case("bert", "BertForSequenceClassification", "seq_cls")
+    model, batch = case.model(), default_data_collator(list(case.data().items))
+    trainer = TricksTrainer(model=model, args=matrix_args(TricksArguments, tmp_path), compute_loss_func=_weighted_ce)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        trainer.compute_loss(model, {**batch, "teacher_logits": torch.zeros(4, 3)})
 
 
 # --- Tricks apply where they are defined, and say so where not -----------------------------------------------------
