@@ -71,7 +71,11 @@ class TricksArguments(TrainingArguments):
     # --- Optimizer parameter groups ---
     head_lr_scale: float = field(
         default=1.0,
-        metadata={"help": "Learning-rate multiplier (> 0) for the task head (parameters outside model.base_model)."},
+        metadata={
+            "help": "Learning-rate multiplier (> 0) for the task head: the parameters outside model.base_model, or "
+            "the untied output projection of a model that is its own base model (T5ForConditionalGeneration). A model "
+            "whose only head is tied to its input embeddings (GPT-2, BART / T5 generation) warns that it cannot apply."
+        },
     )
     layer_decay: float = field(
         default=1.0,

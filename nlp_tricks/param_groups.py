@@ -4,19 +4,23 @@ Layer-wise learning-rate decay: Howard & Ruder 2018 (https://arxiv.org/abs/1801.
 (ELECTRA, https://arxiv.org/abs/2003.10555). Encoder layer ``i`` (0-based) of ``L`` trains at
 ``learning_rate * layer_decay ** (L - i)``, the embeddings at ``layer_decay ** (L + 1)``, everything in the base model
 above the last layer (pooler, final norm) at ``learning_rate``, and the task head (parameters outside
-``model.base_model``) at ``learning_rate * head_lr_scale``. Encoder-decoder models count decoder layers after encoder
-layers, so ``L`` is their sum.
+``model.base_model``; for a model that is its own base model, such as T5ForConditionalGeneration, its output projection
+when untied) at ``learning_rate * head_lr_scale``. Encoder-decoder models count decoder layers after encoder layers,
+so ``L`` is their sum.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
 from torch import nn
 from transformers.trainer_pt_utils import get_parameter_names
 
-__all__ = ["build_param_groups", "decay_parameter_names", "layer_ids"]
+__all__ = ["build_param_groups", "decay_parameter_names", "head_parameter_ids", "layer_ids"]
+
+logger = logging.getLogger(__name__)
 
 # The name patterns transformers' Trainer.get_decay_parameter_names uses (with nn.LayerNorm modules).
 NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
@@ -67,6 +71,26 @@ def layer_ids(base_model: nn.Module) -> tuple[dict[str, int], int]:
     return ids, total
 
 
+def head_parameter_ids(model: nn.Module) -> set[int]:
+    """The ``id()`` of each task-head parameter: those outside ``model.base_model``.
+
+    A model that is its own ``base_model`` (T5ForConditionalGeneration) has as head its output projection
+    (``get_output_embeddings()``) when that is not tied to the input embeddings; tied, it has none.
+    """
+    base = getattr(model, "base_model", model)
+    if base is not model:
+        base_ids = {id(p) for p in base.parameters()}
+        return {id(p) for p in model.parameters() if id(p) not in base_ids}
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    if output is None:
+        return set()
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    tied = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
+    return {id(p) for p in output.parameters()} - tied
+
+
 def build_param_groups(
     model: nn.Module,
     *,
@@ -82,7 +106,8 @@ def build_param_groups(
         model (`nn.Module`): a transformers model (its ``base_model`` separates body from head) or any module.
         learning_rate (`float`): base learning rate.
         weight_decay (`float`): decay for parameters that get it; biases and norm weights get 0.
-        head_lr_scale (`float`, defaults to 1.0): multiplier for parameters outside ``model.base_model``.
+        head_lr_scale (`float`, defaults to 1.0): multiplier for the head (see :func:`head_parameter_ids`); a model
+            without head parameters (its output projection tied to the input embeddings) logs a warning.
         layer_decay (`float`, defaults to 1.0): layer-wise decay factor in (0, 1]; 1 disables it.
         no_decay (iterable of `str`): regex name patterns that get no weight decay (Trainer's by default).
 
@@ -100,8 +125,13 @@ def build_param_groups(
         raise ValueError(f"head_lr_scale must be > 0, got {head_lr_scale}")
     decay_names = decay_parameter_names(model, no_decay)
     base = getattr(model, "base_model", model)
-    base_ids = {id(p) for p in base.parameters()}
-    has_head = base is not model
+    head_ids = head_parameter_ids(model)
+    if head_lr_scale != 1.0 and not head_ids:
+        logger.warning(
+            f"head_lr_scale={head_lr_scale} cannot apply to {type(model).__name__}: it has no head parameters apart "
+            "from its body (no parameter outside model.base_model, and no output projection untied from the input "
+            "embeddings); every parameter trains at the body's learning rate"
+        )
 
     base_names = {id(p): n for n, p in base.named_parameters()}
     ids, num_layers = layer_ids(base) if layer_decay != 1.0 else ({}, 0)
@@ -115,7 +145,7 @@ def build_param_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if has_head and id(param) not in base_ids:
+        if id(param) in head_ids:
             label, scale = "head", head_lr_scale
         elif layer_decay != 1.0:
             layer = ids[base_names[id(param)]]

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 from collections import defaultdict
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, is_compiled_module
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
+from transformers.utils import ModelOutput
 
 from . import _upstream
 from .adversarial import FGM, PGD  # --- Adversarial ---
@@ -28,6 +31,8 @@ from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_ch
 
 __all__ = ["TricksTrainer"]
 
+logger = logging.getLogger(__name__)
+
 
 class TricksTrainer(Trainer):
     """A drop-in ``transformers.Trainer`` whose tricks are switched on by :class:`TricksArguments`.
@@ -38,12 +43,16 @@ class TricksTrainer(Trainer):
     - :meth:`compute_loss` pops ``labels``, runs the model without its own loss and applies ``args.loss_type``
       (cross-entropy, focal or label smoothing) to ``logits / args.temperature``. The loss is a sum divided by
       ``num_items_in_batch`` (the label count of the whole accumulated, all-process batch), so gradient accumulation
-      is exact for every loss. Float labels (regression, multi-label) keep the model's own loss, rescaled likewise.
-      A batch that carries ``teacher_logits`` (self-training with soft labels) gets :func:`~nlp_tricks.losses.
-      distillation_loss` at ``args.distill_temperature`` / ``args.distill_alpha`` instead.
+      is exact for every loss. Float labels (regression, multi-label) and regression heads keep the model's own loss,
+      rescaled likewise, and warn once if a loss trick is set. A batch that carries ``teacher_logits`` (self-training
+      with soft labels) gets :func:`~nlp_tricks.losses.distillation_loss` at ``args.distill_temperature`` /
+      ``args.distill_alpha`` instead. Question answering gets the loss over start and end positions (their mean, as
+      the models' own); a single custom ``label_names`` column is the labels. ``compute_loss_func=`` works as on
+      plain Trainer (and refuses the loss tricks it would replace). See docs/compatibility.md.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
-      lr by the same factor, so the ratios hold through warmup and decay.
+      lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
+      (``args.learning_rate`` times the schedule) on every model, ``lr/<group>`` each group's.
 
     Extension points for subclasses:
 
@@ -76,6 +85,10 @@ class TricksTrainer(Trainer):
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
         super().__init__(model, args, *positional, **kwargs)
+        # --- Drop-in compatibility ---
+        self._check_compute_loss_func()
+        self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
+        self._warned: set[str] = set()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
@@ -107,12 +120,28 @@ class TricksTrainer(Trainer):
                 self._step_metrics.clear()
             logs.update(self.trick_state)
             if self.optimizer is not None and "learning_rate" in logs:
-                # One lr per group, scaled like upstream's `learning_rate` (group 0's): plots show layer-wise decay.
-                initial = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
-                if len(set(initial)) > 1 and initial[0] > 0:
-                    for i, group in enumerate(self.optimizer.param_groups):
-                        logs[f"lr/{group.get('label', i)}"] = logs["learning_rate"] * initial[i] / initial[0]
+                self._log_learning_rates(logs)
         super().log(logs, start_time)
+
+    def _log_learning_rates(self, logs: dict[str, float]) -> None:
+        """``learning_rate``: the body's (``args.learning_rate`` times the schedule) whichever group comes first.
+
+        Upstream logs group 0's lr, which is the head's on models that register their head first (XLM-R) and the
+        embeddings' with layer-wise decay. With the groups of :meth:`build_optimizer_groups` (they carry
+        ``lr_scale``) it is the body's on every model, and ``lr/<label>`` gives each group's when they differ.
+        """
+        groups = self.optimizer.param_groups
+        initial = [g.get("initial_lr", g["lr"]) for g in groups]
+        if initial[0] <= 0:
+            return
+        if groups[0].get("lr_scale", 0) > 0:
+            logs["learning_rate"] = logs["learning_rate"] / groups[0]["lr_scale"]
+            reference = initial[0] / groups[0]["lr_scale"]
+        else:  # groups built elsewhere: relative to group 0, as upstream's `learning_rate`
+            reference = initial[0]
+        if len(set(initial)) > 1:
+            for i, group in enumerate(groups):
+                logs[f"lr/{group.get('label', i)}"] = logs["learning_rate"] * initial[i] / reference
 
     # ---- Loss ------------------------------------------------------------------------------------------------------
 
@@ -125,18 +154,26 @@ class TricksTrainer(Trainer):
     ):
         """Run the model without its own loss and apply the configured loss to its logits.
 
-        Returns the loss (and the outputs with ``return_outputs``). Inputs without ``labels`` go to the model as
-        they are and its own loss is used.
+        Returns the loss (and, with ``return_outputs``, the model's outputs with that loss first, as upstream's
+        ``prediction_step`` expects). The labels are ``labels`` or the one column ``args.label_names`` names; question
+        answering takes the loss over ``start_positions`` / ``end_positions`` as the model does. Where a trick cannot
+        apply (float labels, a regression head) the model's own loss is used and a one-time warning says so. Inputs
+        without labels go to the model as they are; a ``compute_loss_func`` given to the constructor is upstream's.
         """
-        if "labels" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        if self.compute_loss_func is not None:
+            return self._compute_loss_with_loss_func(model, inputs, return_outputs, num_items_in_batch)
+        label_key = self._label_key(inputs)
+        if label_key is None:
+            return self._compute_loss_without_labels(model, inputs, return_outputs)
         inputs = dict(inputs)
-        labels = inputs.pop("labels")
+        labels = inputs.pop(label_key)
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
-        if labels.is_floating_point():
+        own_loss_reason = self._model_loss_reason(model, labels)
+        if own_loss_reason is not None:
             # Regression / multi-label: the model's own loss is a mean over its label elements.
-            outputs = model(**inputs, labels=labels)
+            self._warn_tricks_do_not_apply(model, own_loss_reason, teacher_logits is not None)
+            outputs = model(**inputs, **{label_key: labels})
             loss = output_loss(outputs)
             if num_items is not None:
                 loss = loss * labels.ne(-100).sum() / num_items
@@ -155,6 +192,8 @@ class TricksTrainer(Trainer):
                 )
             else:
                 loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
+            if return_outputs:
+                outputs = self._outputs_with_loss(outputs, loss)
         if num_items is not None:
             loss = loss * self._loss_scale_for_devices()
         return (loss, outputs) if return_outputs else loss
@@ -201,11 +240,16 @@ class TricksTrainer(Trainer):
         return focal_alpha_weights(self.args.focal_alpha, names)
 
     def _add_decoder_input_ids(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> None:
-        """Encoder-decoder models build decoder inputs from ``labels``; with labels popped we build them here."""
+        """Encoder-decoder models build decoder inputs from ``labels``; with labels popped we build them here.
+
+        Only models that do so (those with ``prepare_decoder_input_ids_from_labels``, the generation heads): BART / T5
+        sequence classification build theirs from ``input_ids`` with or without labels, so they are left to it.
+        """
         unwrapped = self.accelerator.unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         if (
             getattr(config, "is_encoder_decoder", False)
+            and hasattr(unwrapped, "prepare_decoder_input_ids_from_labels")
             and "decoder_input_ids" not in inputs
             and "decoder_inputs_embeds" not in inputs
         ):
@@ -228,6 +272,140 @@ class TricksTrainer(Trainer):
         if self.args.average_tokens_across_devices and self.args.n_gpu <= 1:
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
+
+    # --- Drop-in compatibility ---
+
+    def _loss_tricks_in_use(self) -> list[str]:
+        """The loss tricks switched on, as ``field=value``: what the model's own loss or compute_loss_func skips."""
+        args = self.args
+        tricks = []
+        if args.loss_type != "ce":
+            tricks.append(f"loss_type={args.loss_type!r}")
+        if args.label_smoothing_factor > 0:
+            tricks.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+        if args.temperature != 1.0:
+            tricks.append(f"temperature={args.temperature}")
+        return tricks
+
+    def _check_compute_loss_func(self) -> None:
+        """A ``compute_loss_func`` replaces the training loss: refuse the tricks it would silently switch off."""
+        if self.compute_loss_func is None:
+            return
+        refused = self._loss_tricks_in_use()
+        if getattr(self.args, "scheduled_sampling", "none") != "none":
+            refused.append(f"scheduled_sampling={self.args.scheduled_sampling!r}")
+        if refused:
+            raise ValueError(
+                f"compute_loss_func replaces the training loss, so {', '.join(refused)} would not apply; "
+                "reset them to their defaults or drop compute_loss_func (override compute_tricks_loss to add a loss "
+                "to the tricks' one)"
+            )
+
+    def _compute_loss_with_loss_func(self, model, inputs, return_outputs, num_items_in_batch):
+        """Upstream's compute_loss with ``compute_loss_func``: the same call, inputs and loss as plain Trainer."""
+        if "teacher_logits" in inputs:
+            raise ValueError(
+                "a batch carries teacher_logits (distillation), but compute_loss_func replaces the training loss; "
+                "drop one of them"
+            )
+        # Upstream hands `num_items_in_batch` to the forward only if the forward takes loss kwargs, and pops `labels`
+        # from the dict it is given (the adversarial passes reuse theirs).
+        self.model_accepts_loss_kwargs = self._forward_accepts_loss_kwargs
+        try:
+            return super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
+        finally:
+            _upstream.count_items_for_every_model(self)
+
+    def _label_key(self, inputs: dict) -> str | None:
+        """The input holding the labels: the one column ``label_names`` names, else ``labels``; None if neither."""
+        names = self.label_names
+        if len(names) == 1 and inputs.get(names[0]) is not None:
+            return names[0]
+        if len(names) > 1 and "labels" in names and all(inputs.get(name) is not None for name in names):
+            return None  # several label columns (e.g. pre-training heads): only the model knows its loss
+        return "labels" if inputs.get("labels") is not None else None
+
+    def _compute_loss_without_labels(self, model: nn.Module, inputs: dict, return_outputs: bool):
+        """No single label column: question answering's positions, several label columns, or none at all."""
+        names = self.label_names
+        if set(names) == {"start_positions", "end_positions"} and all(inputs.get(n) is not None for n in names):
+            return self._question_answering_loss(model, inputs, return_outputs)
+        if len(names) > 1 and any(inputs.get(name) is not None for name in names):
+            self._warn_tricks_do_not_apply(model, f"several label columns ({', '.join(names)})")
+            outputs = model(**inputs)  # not upstream's compute_loss: its label smoother would take `labels` alone
+            loss = output_loss(outputs)
+            return (loss, outputs) if return_outputs else loss
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+    def _question_answering_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
+        """The configured loss over start and over end positions, and their mean: the model's loss for ``ce``.
+
+        As the models do, positions are clamped to ``[0, sequence length]`` and those at the length are ignored.
+        """
+        inputs = dict(inputs)
+        positions = [inputs.pop("start_positions"), inputs.pop("end_positions")]
+        outputs = model(**inputs)
+        if isinstance(outputs, dict) and not {"start_logits", "end_logits"} <= set(outputs.keys()):
+            # A beam-search span head (XLNet): only the model knows its loss.
+            self._warn_tricks_do_not_apply(model, "a question-answering head without start / end logits")
+            inputs.update(start_positions=positions[0], end_positions=positions[1])
+            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+        logits = (outputs["start_logits"], outputs["end_logits"]) if isinstance(outputs, dict) else outputs[:2]
+        losses = []
+        for logit, position in zip(logits, positions):
+            if position.dim() > 1:
+                position = position.squeeze(-1)
+            ignored = logit.size(1)
+            position = position.to(logit.device).clamp(0, ignored)
+            losses.append(self.compute_tricks_loss(logit, position.masked_fill(position == ignored, -100)))
+        loss = (losses[0] + losses[1]) / 2
+        return (loss, self._outputs_with_loss(outputs, loss)) if return_outputs else loss
+
+    def _model_loss_reason(self, model: nn.Module, labels: torch.Tensor) -> str | None:
+        """Why the model's own loss is used instead of the configured one; None when the configured one applies.
+
+        Follows the models' ``problem_type`` rule: float labels, a regression or multi-label ``problem_type``, or a
+        sequence-classification head with one output (regression, MSE even on integer labels).
+        """
+        if labels.is_floating_point():
+            return "float labels (regression / multi-label)"
+        unwrapped = self.accelerator.unwrap_model(model)
+        config = getattr(unwrapped, "config", None)
+        problem_type = getattr(config, "problem_type", None)
+        if problem_type in ("regression", "multi_label_classification"):
+            return f"problem_type={problem_type!r}"
+        if (
+            problem_type is None
+            and getattr(config, "num_labels", None) == 1
+            and type(unwrapped).__name__.endswith("ForSequenceClassification")
+        ):
+            return "a regression head (num_labels=1)"
+        return None
+
+    def _warn_tricks_do_not_apply(self, model: nn.Module, reason: str, distilling: bool = False) -> None:
+        tricks = self._loss_tricks_in_use() + (["distillation (teacher_logits)"] if distilling else [])
+        if tricks:
+            name = type(self.accelerator.unwrap_model(model)).__name__
+            self._warn_once(f"{', '.join(tricks)} cannot apply to {name} with {reason}: it trains on its own loss")
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning(message)
+
+    @staticmethod
+    def _outputs_with_loss(outputs, loss: torch.Tensor):
+        """The outputs as the model returns them given labels: the loss first (upstream's ``prediction_step`` takes
+        a tuple's ``outputs[1:]`` as the predictions)."""
+        if isinstance(outputs, ModelOutput):
+            if "loss" in {f.name for f in dataclasses.fields(outputs)}:
+                return type(outputs)(**{**outputs, "loss": loss})
+            return outputs
+        if isinstance(outputs, dict):
+            return {"loss": loss, **outputs}
+        if isinstance(outputs, (tuple, list)):
+            return (loss, *outputs)
+        return (loss, outputs)
 
     # ---- Optimizer -------------------------------------------------------------------------------------------------
 
@@ -373,6 +551,11 @@ class TricksTrainer(Trainer):
         """The FGM / PGD attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
         unwrapped = self.accelerator.unwrap_model(model)
         if self._adversary is None or self._adversary.model is not unwrapped:
+            if self.args.torch_compile or is_compiled_module(model):
+                # torch.compile does not guard on module hooks: a graph compiled in this process without the
+                # attack's embedding hook (an earlier run, even of another model of the same class) would be reused
+                # and never call it. Compiled graphs are rebuilt on their next call.
+                torch.compiler.reset()
             args = self.args
             if args.adversarial == "fgm":
                 self._adversary = FGM(unwrapped, epsilon=args.adv_epsilon, norm=args.adv_norm, target=args.adv_target)
