@@ -11,6 +11,8 @@ from accelerate.utils import DistributedType
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import unwrap_peft_model
 
 from . import _upstream
 from .adversarial import FGM, PGD  # --- Adversarial ---
@@ -40,7 +42,9 @@ class TricksTrainer(Trainer):
       ``num_items_in_batch`` (the label count of the whole accumulated, all-process batch), so gradient accumulation
       is exact for every loss. Float labels (regression, multi-label) keep the model's own loss, rescaled likewise.
       A batch that carries ``teacher_logits`` (self-training with soft labels) gets :func:`~nlp_tricks.losses.
-      distillation_loss` at ``args.distill_temperature`` / ``args.distill_alpha`` instead.
+      distillation_loss` at ``args.distill_temperature`` / ``args.distill_alpha`` instead. For causal LMs (PEFT-wrapped
+      ones too) every loss scores the logits at position t against the label at t + 1 (or the collator's
+      ``shift_labels``), as the model's own loss does, and the item count is taken over those labels.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay.
@@ -78,6 +82,14 @@ class TricksTrainer(Trainer):
         super().__init__(model, args, *positional, **kwargs)
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
+        # --- Causal LM ---
+        # Whether the loss scores the logits at position t against the label at t + 1. Upstream's Trainer decides it
+        # twice: from the model's `loss_type` (which also sets its item count over `labels[..., 1:]`) and, in its
+        # label-smoothing path, from the class name among the causal LMs. The first misses causal LMs whose class name
+        # names no loss type (GPT2LMHeadModel: `loss_type` None), whose count would then include position 0; both
+        # rules are taken here, and the result handed back so that upstream counts the items this loss divides by.
+        self.loss_shifts_labels = self._decide_loss_shifts_labels(_upstream.loss_shifts_labels(self))
+        _upstream.set_loss_shifts_labels(self, self.loss_shifts_labels)
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
@@ -132,6 +144,7 @@ class TricksTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
+        loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))  # --- Causal LM ---
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         if labels.is_floating_point():
@@ -148,16 +161,38 @@ class TricksTrainer(Trainer):
                 loss = distillation_loss(
                     logits,
                     teacher_logits,
-                    labels,
+                    loss_labels,
                     temperature=self.args.distill_temperature,
                     alpha=self.args.distill_alpha,
                     num_items_in_batch=num_items,
                 )
             else:
-                loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
+                loss = self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items)
         if num_items is not None:
             loss = loss * self._loss_scale_for_devices()
         return (loss, outputs) if return_outputs else loss
+
+    # --- Causal LM ---
+
+    def labels_for_logits(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The label each logit position is scored against: ``shift_labels`` when the collator gives them
+        (padding-free collators); for a model whose loss shifts labels (causal LMs), ``labels`` moved one position
+        left with -100 at the end, so the logits at t predict the token at t + 1 and the last position nothing;
+        otherwise ``labels``. Shifting the labels rather than slicing ``logits[:, :-1]`` keeps the (B, L, V) logits as
+        the model returned them: no vocab-sized copy.
+        """
+        if shift_labels is not None:
+            return shift_labels
+        if not self.loss_shifts_labels:
+            return labels
+        return nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+
+    def _decide_loss_shifts_labels(self, by_loss_type: bool) -> bool:
+        """Upstream's rule from the loss type, or the (PEFT-unwrapped) class is a causal LM; never encoder-decoder."""
+        model = unwrap_peft_model(self.model)
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        return bool(by_loss_type) or type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
     def _set_signature_columns_if_needed(self):
         # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
