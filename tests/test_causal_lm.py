@@ -6,9 +6,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_adversarial import classic_fgm, classic_pgd
+from torch import nn
 from transformers import Trainer, TrainingArguments, default_data_collator
 
-from nlp_tricks import TricksTrainer
+from nlp_tricks import FGM, PGD, TricksTrainer
 from tiny import bart_lm, bert_token_cls, tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm
 
@@ -270,3 +272,40 @@ def test_collator_shift_labels_one_step_equals_plain_trainer(tmp_path):
     want = sum(int(packing_collator(items[s : s + 4])["shift_labels"].ne(-100).sum()) for s in (0, 4))
     assert trainer.counts == [want, want]
     _assert_same_params(model, ref)
+
+
+# ---- FGM / PGD on decoder layouts -----------------------------------------------------------------------------------
+
+ATTACKS = {
+    "fgm": (lambda m: FGM(m, epsilon=1.0), lambda m, f, w: classic_fgm(m, f, w, epsilon=1.0)),
+    "pgd": (
+        lambda m: PGD(m, epsilon=1.0, alpha=0.6, steps=3),
+        lambda m, f, w: classic_pgd(m, f, w, epsilon=1.0, alpha=0.6, steps=3),
+    ),
+}
+
+
+@pytest.mark.parametrize("method", list(ATTACKS))
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_attack_on_a_causal_lm_equals_the_classic_recipe_on_the_input_side(arch, method):
+    """The attack perturbs `wte` / `embed_tokens` only. GPT-2 ties lm_head to it: the reference unties lm_head so that
+    the classic recipe perturbs the input side alone, and the tied weight's gradient is the sum of the two."""
+    ours_attack, classic = ATTACKS[method]
+    model = CAUSAL_LMS[arch]()
+    batch = _batch(causal_lm_data())
+    ref = copy.deepcopy(model)
+    weight = ref.get_input_embeddings().weight
+    tied = ref.get_output_embeddings().weight is weight
+    assert tied == (arch == "gpt2")
+    if tied:
+        ref.lm_head.weight = nn.Parameter(weight.detach().clone())
+    classic(ref, lambda: ref(**batch).loss, weight)
+    clean, adv = ours_attack(model).step(lambda: model(**batch).loss)
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    if tied:
+        want["transformer.wte.weight"] = want["transformer.wte.weight"] + want.pop("lm_head.weight")
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    assert set(ours) == set(want)
+    for name in want:
+        torch.testing.assert_close(ours[name], want[name], msg=name)
+    assert adv > clean
