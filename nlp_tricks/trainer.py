@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import defaultdict
@@ -24,6 +25,7 @@ from .losses import (
     focal_loss,
     label_smoothing_cross_entropy,
 )
+from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
 from .param_groups import build_param_groups
 from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
@@ -98,6 +100,13 @@ class TricksTrainer(Trainer):
         self._adversary: FGM | PGD | None = None
         if self.args.adversarial != "none":
             self.trick_state.setdefault("adv_skipped", 0)
+        # --- NEFTune with adversarial ---
+        # Upstream's NEFTune hook draws fresh noise at every forward, so the attack's passes would see other noise
+        # than the clean pass they perturb. training_step adds the noise itself instead: drawn in the clean pass,
+        # replayed in the adversarial ones (nlp_tricks.neftune). Without --adversarial upstream's hook stays.
+        self._attack_neftune_alpha = None
+        if self.neftune_noise_alpha is not None and self.args.adversarial != "none":
+            self._attack_neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -385,9 +394,14 @@ class TricksTrainer(Trainer):
             no_sync = (
                 functools.partial(self.accelerator.no_sync, model=model) if self.accelerator.use_distributed else None
             )
-            clean, adv = self._get_adversary(model).step(
-                loss_fn, self.accelerator.backward, no_sync=no_sync, grad_scaler=self.accelerator.scaler
-            )
+            noise = self._attack_neftune(model)  # --- NEFTune with adversarial ---
+            with noise or contextlib.nullcontext():
+                clean, adv = self._get_adversary(model).step(
+                    noise.each_pass(loss_fn) if noise else loss_fn,
+                    self.accelerator.backward,
+                    no_sync=no_sync,
+                    grad_scaler=self.accelerator.scaler,
+                )
             if (
                 self.args.torch_empty_cache_steps is not None
                 and self.state.global_step % self.args.torch_empty_cache_steps == 0
@@ -403,6 +417,14 @@ class TricksTrainer(Trainer):
         else:
             self.record_metric("loss_adv", adv * share)
         return clean
+
+    def _attack_neftune(self, model: nn.Module) -> NEFTuneNoise | None:
+        """NEFTune noise shared by the passes of one micro-batch (None without ``neftune_noise_alpha``); on the
+        module upstream's hook would use."""
+        if self._attack_neftune_alpha is None:
+            return None
+        embeddings = unwrap_peft_model(self.accelerator.unwrap_model(model)).get_input_embeddings()
+        return NEFTuneNoise(embeddings, self._attack_neftune_alpha)
 
     def _get_adversary(self, model: nn.Module) -> FGM | PGD:
         """The FGM / PGD attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
