@@ -366,7 +366,8 @@ class TricksTrainer(Trainer):
         ``loss``, is the CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over
         the attacked micro-batches); ``adv_skipped`` counts the micro-batches whose attack was skipped because the
         clean embedding gradient was 0, inf or NaN (fp16 overflow). Every backward but the step's last runs under
-        ``no_sync``: one all-reduce per optimizer step, as in plain training.
+        ``no_sync``: one all-reduce per optimizer step, as in plain training. With ``neftune_noise_alpha`` the passes
+        of a micro-batch share one NEFTune noise draw (:class:`~nlp_tricks.neftune.NEFTuneNoise`).
         """
         if self.args.adversarial == "none":
             return super().training_step(model, inputs, num_items_in_batch)

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_adversarial import classic_fgm, classic_pgd
 from torch import nn
 from transformers import Trainer, TrainingArguments, default_data_collator
 
+from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, TricksTrainer
 from tiny import bart_lm, bert_token_cls, tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm

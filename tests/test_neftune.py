@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
-from test_adversarial import classic_fgm, classic_pgd
 from torch import nn
 from transformers import default_data_collator
 from transformers.integrations.neftune import neftune_post_forward_hook
 
+from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, TricksTrainer
 from nlp_tricks.neftune import NEFTuneNoise, neftune_noise
 from tiny import tricks_args

@@ -12,12 +12,12 @@ import torch
 from peft import LoraConfig, PromptTuningConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from scripts.resume_run import CountingTrainer, KillAfterSave
-from test_adversarial import classic_fgm, classic_pgd
-from test_resume import _killed_in_child, _truncate, one_thread  # noqa: F401 (fixture)
 from torch import nn
 from transformers import default_data_collator
 
+from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, TricksTrainer, build_param_groups
+from resume_helpers import killed_in_child, truncate
 from tiny import bert_token_cls, token_cls_data, tricks_args
 from tiny_causal import causal_lm_data, gpt2_lm, llama_lm
 
@@ -268,12 +268,12 @@ def test_adapter_run_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, ca
     torn = ADAPTER_CASES[case][3]
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
     _adapter_run(reference, case)
-    status = _killed_in_child(lambda: _adapter_run(crashed, case, kill_after_save=6))
+    status = killed_in_child(lambda: _adapter_run(crashed, case, kill_after_save=6))
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"wait status {status}"
     checkpoint = crashed / "checkpoint-6"
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(checkpoint))
     assert not any(name.startswith("model.") for name in os.listdir(checkpoint))  # the adapter only
-    _truncate(checkpoint / torn)  # as a crash in the middle of the save leaves it: resume falls back to checkpoint-4
+    truncate(checkpoint / torn)  # as a crash in the middle of the save leaves it: resume falls back to checkpoint-4
     _adapter_run(crashed, case, resume=True)
 
     want, got = load_file(reference / "final.safetensors"), load_file(crashed / "final.safetensors")
