@@ -22,6 +22,7 @@ __all__ = [
     "count_items_for_every_model",
     "keep_signature_column",
     "loss_shifts_labels",
+    "set_loss_shifts_labels",
 ]
 
 # Methods of `Trainer` we call or override (checked on the class).
@@ -79,3 +80,9 @@ def loss_shifts_labels(trainer: Trainer) -> bool:
     """Whether the trained model's loss shifts labels (causal LMs: position i predicts label i + 1), as upstream
     decides it in ``Trainer.__init__`` (through ``LOSS_MAPPING``; encoder-decoder models excluded)."""
     return bool(trainer._loss_shifts_labels)
+
+
+def set_loss_shifts_labels(trainer: Trainer, shifts: bool) -> None:
+    """Tell the Trainer whether the loss shifts labels, so that it counts ``num_items_in_batch`` over
+    ``labels[..., 1:]`` (True) or over ``labels`` (False), as the loss divides by it."""
+    trainer._loss_shifts_labels = bool(shifts)

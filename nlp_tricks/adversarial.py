@@ -340,7 +340,9 @@ class PGD:
             backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
         scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
         no_sync = no_sync or contextlib.nullcontext
-        handles = [module.register_forward_hook(self._hook) for module in self.modules]
+        # First among the module's hooks: the others (NEFTune noise) apply on top of the lookup that the attack's last
+        # pass replaces by its sparse-gradient one, instead of being dropped with it.
+        handles = [module.register_forward_hook(self._hook, prepend=True) for module in self.modules]
         try:
             self._mode = "capture"
             with no_sync():

@@ -7,6 +7,15 @@ above the last layer (pooler, final norm) at ``learning_rate``, and the task hea
 ``model.base_model``; for a model that is its own base model, such as T5ForConditionalGeneration, its output projection
 when untied) at ``learning_rate * head_lr_scale``. Encoder-decoder models count decoder layers after encoder layers,
 so ``L`` is their sum.
+
+Decoder-only layouts are read the same way: Llama / Mistral / Qwen2 (``model.layers.N``, ``model.embed_tokens``),
+GPT-2 (``transformer.h.N``, ``transformer.wte`` / ``wpe``), GPT-NeoX (``gpt_neox.layers.N``, ``gpt_neox.embed_in``).
+An untied ``lm_head`` is the head; one tied to the input embeddings is a single parameter, in the embeddings' group.
+
+PEFT models (``peft.PeftModel``) are read through the transformers model they wrap: only trainable parameters
+(adapters, ``modules_to_save``) are grouped, a LoRA matrix of layer i gets layer i's rate, and the ``modules_to_save``
+copy of the head gets ``head_lr_scale``. Parameters PEFT adds outside the wrapped model (prompt encoders) train at
+``learning_rate``.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Iterable
 
 from torch import nn
 from transformers.trainer_pt_utils import get_parameter_names
+from transformers.trainer_utils import unwrap_peft_model
 
 __all__ = ["build_param_groups", "decay_parameter_names", "head_parameter_ids", "layer_ids"]
 
@@ -103,17 +113,19 @@ def build_param_groups(
     """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
 
     Args:
-        model (`nn.Module`): a transformers model (its ``base_model`` separates body from head) or any module.
+        model (`nn.Module`): a transformers model (its ``base_model`` separates body from head), a PEFT model
+            wrapping one, or any module.
         learning_rate (`float`): base learning rate.
         weight_decay (`float`): decay for parameters that get it; biases and norm weights get 0.
-        head_lr_scale (`float`, defaults to 1.0): multiplier for the head (see :func:`head_parameter_ids`); a model
-            without head parameters (its output projection tied to the input embeddings) logs a warning.
+        head_lr_scale (`float`, defaults to 1.0): multiplier for the head (see :func:`head_parameter_ids`; with PEFT,
+            the ``modules_to_save`` head); a model without head parameters (its output projection tied to the input
+            embeddings) logs a warning.
         layer_decay (`float`, defaults to 1.0): layer-wise decay factor in (0, 1]; 1 disables it.
         no_decay (iterable of `str`): regex name patterns that get no weight decay (Trainer's by default).
 
     Returns:
         `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
-        ``label`` ("head", "embeddings", "layer_<i>", "top" or "body") and ``names``. Every trainable parameter
+        ``label`` ("head", "embeddings", "layer_<i>", "top", "body" or "peft") and ``names``. Every trainable parameter
         is in exactly one group; frozen ones are in none.
 
     Raises:
@@ -124,11 +136,13 @@ def build_param_groups(
     if head_lr_scale <= 0:
         raise ValueError(f"head_lr_scale must be > 0, got {head_lr_scale}")
     decay_names = decay_parameter_names(model, no_decay)
-    base = getattr(model, "base_model", model)
-    head_ids = head_parameter_ids(model)
+    inner = unwrap_peft_model(model)  # PEFT: the transformers model inside, whose base_model separates body from head
+    inner_ids = {id(p) for p in inner.parameters()}
+    base = getattr(inner, "base_model", inner)
+    head_ids = head_parameter_ids(inner)
     if head_lr_scale != 1.0 and not head_ids:
         logger.warning(
-            f"head_lr_scale={head_lr_scale} cannot apply to {type(model).__name__}: it has no head parameters apart "
+            f"head_lr_scale={head_lr_scale} cannot apply to {type(inner).__name__}: it has no head parameters apart "
             "from its body (no parameter outside model.base_model, and no output projection untied from the input "
             "embeddings); every parameter trains at the body's learning rate"
         )
@@ -145,7 +159,9 @@ def build_param_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if id(param) in head_ids:
+        if id(param) not in inner_ids:  # added by PEFT around the model (prompt encoders)
+            label, scale = "peft", 1.0
+        elif id(param) in head_ids:
             label, scale = "head", head_lr_scale
         elif layer_decay != 1.0:
             layer = ids[base_names[id(param)]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -13,6 +14,8 @@ from accelerate.utils import DistributedType, is_compiled_module
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from . import _upstream
@@ -25,6 +28,7 @@ from .losses import (
     focal_loss,
     label_smoothing_cross_entropy,
 )
+from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
 from .param_groups import build_param_groups
 from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
@@ -49,6 +53,8 @@ class TricksTrainer(Trainer):
       ``args.distill_alpha`` instead. Question answering gets the loss over start and end positions (their mean, as
       the models' own); a single custom ``label_names`` column is the labels. ``compute_loss_func=`` works as on
       plain Trainer (and refuses the loss tricks it would replace). See docs/compatibility.md.
+      For causal LMs (PEFT-wrapped ones too) every loss scores the logits at position t against the label at
+      t + 1 (or the collator's ``shift_labels``), as the model's own loss does; the item count is over those labels.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
@@ -91,6 +97,14 @@ class TricksTrainer(Trainer):
         self._warned: set[str] = set()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
+        # --- Causal LM ---
+        # Whether the loss scores the logits at position t against the label at t + 1. Upstream's Trainer decides it
+        # twice: from the model's `loss_type` (which also sets its item count over `labels[..., 1:]`) and, in its
+        # label-smoothing path, from the class name among the causal LMs. The first misses causal LMs whose class name
+        # names no loss type (GPT2LMHeadModel: `loss_type` None), whose count would then include position 0; both
+        # rules are taken here, and the result handed back so that upstream counts the items this loss divides by.
+        self.loss_shifts_labels = self._decide_loss_shifts_labels(_upstream.loss_shifts_labels(self))
+        _upstream.set_loss_shifts_labels(self, self.loss_shifts_labels)
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
@@ -99,6 +113,13 @@ class TricksTrainer(Trainer):
         self._adversary: FGM | PGD | None = None
         if self.args.adversarial != "none":
             self.trick_state.setdefault("adv_skipped", 0)
+        # --- NEFTune with adversarial ---
+        # Upstream's NEFTune hook draws fresh noise at every forward, so the attack's passes would see other noise
+        # than the clean pass they perturb. training_step adds the noise itself instead: drawn in the clean pass,
+        # replayed in the adversarial ones (nlp_tricks.neftune). Without --adversarial upstream's hook stays.
+        self._attack_neftune_alpha = None
+        if self.neftune_noise_alpha is not None and self.args.adversarial != "none":
+            self._attack_neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -167,6 +188,7 @@ class TricksTrainer(Trainer):
             return self._compute_loss_without_labels(model, inputs, return_outputs)
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
+        loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))  # --- Causal LM ---
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         own_loss_reason = self._model_loss_reason(model, labels)
@@ -185,18 +207,40 @@ class TricksTrainer(Trainer):
                 loss = distillation_loss(
                     logits,
                     teacher_logits,
-                    labels,
+                    loss_labels,
                     temperature=self.args.distill_temperature,
                     alpha=self.args.distill_alpha,
                     num_items_in_batch=num_items,
                 )
             else:
-                loss = self.compute_tricks_loss(logits, labels, num_items_in_batch=num_items)
+                loss = self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items)
             if return_outputs:
                 outputs = self._outputs_with_loss(outputs, loss)
         if num_items is not None:
             loss = loss * self._loss_scale_for_devices()
         return (loss, outputs) if return_outputs else loss
+
+    # --- Causal LM ---
+
+    def labels_for_logits(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The label each logit position is scored against: ``shift_labels`` when the collator gives them
+        (padding-free collators); for a model whose loss shifts labels (causal LMs), ``labels`` moved one position
+        left with -100 at the end, so the logits at t predict the token at t + 1 and the last position nothing;
+        otherwise ``labels``. Shifting the labels rather than slicing ``logits[:, :-1]`` keeps the (B, L, V) logits as
+        the model returned them: no vocab-sized copy.
+        """
+        if shift_labels is not None:
+            return shift_labels
+        if not self.loss_shifts_labels:
+            return labels
+        return nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+
+    def _decide_loss_shifts_labels(self, by_loss_type: bool) -> bool:
+        """Upstream's rule from the loss type, or the (PEFT-unwrapped) class is a causal LM; never encoder-decoder."""
+        model = unwrap_peft_model(self.model)
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        return bool(by_loss_type) or type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
     def _set_signature_columns_if_needed(self):
         # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
@@ -500,7 +544,8 @@ class TricksTrainer(Trainer):
         ``loss``, is the CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over
         the attacked micro-batches); ``adv_skipped`` counts the micro-batches whose attack was skipped because the
         clean embedding gradient was 0, inf or NaN (fp16 overflow). Every backward but the step's last runs under
-        ``no_sync``: one all-reduce per optimizer step, as in plain training.
+        ``no_sync``: one all-reduce per optimizer step, as in plain training. With ``neftune_noise_alpha`` the passes
+        of a micro-batch share one NEFTune noise draw (:class:`~nlp_tricks.neftune.NEFTuneNoise`).
         """
         if self.args.adversarial == "none":
             return super().training_step(model, inputs, num_items_in_batch)
@@ -528,9 +573,14 @@ class TricksTrainer(Trainer):
             no_sync = (
                 functools.partial(self.accelerator.no_sync, model=model) if self.accelerator.use_distributed else None
             )
-            clean, adv = self._get_adversary(model).step(
-                loss_fn, self.accelerator.backward, no_sync=no_sync, grad_scaler=self.accelerator.scaler
-            )
+            noise = self._attack_neftune(model)  # --- NEFTune with adversarial ---
+            with noise or contextlib.nullcontext():
+                clean, adv = self._get_adversary(model).step(
+                    noise.each_pass(loss_fn) if noise else loss_fn,
+                    self.accelerator.backward,
+                    no_sync=no_sync,
+                    grad_scaler=self.accelerator.scaler,
+                )
             if (
                 self.args.torch_empty_cache_steps is not None
                 and self.state.global_step % self.args.torch_empty_cache_steps == 0
@@ -546,6 +596,14 @@ class TricksTrainer(Trainer):
         else:
             self.record_metric("loss_adv", adv * share)
         return clean
+
+    def _attack_neftune(self, model: nn.Module) -> NEFTuneNoise | None:
+        """NEFTune noise shared by the passes of one micro-batch (None without ``neftune_noise_alpha``); on the
+        module upstream's hook would use."""
+        if self._attack_neftune_alpha is None:
+            return None
+        embeddings = unwrap_peft_model(self.accelerator.unwrap_model(model)).get_input_embeddings()
+        return NEFTuneNoise(embeddings, self._attack_neftune_alpha)
 
     def _get_adversary(self, model: nn.Module) -> FGM | PGD:
         """The FGM / PGD attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""

@@ -30,3 +30,12 @@ def tiny_model(tmp_path_factory) -> str:
     from recipe_helpers import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture
+def one_thread():
+    """The same kernels in every run and process, so the runs are comparable to float32 round-off."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -32,8 +32,6 @@ from tiny import VOCAB, ListDataset, bart_lm, bert_seq_cls
 from tiny_seq2seq import seq2seq_args
 from tiny_zoo import CASES, CONFIGS, Case
 
-CAUSAL_SHIFT = pytest.mark.xfail(strict=True, reason="causal-LM shift lands with #15")
-
 TRICKS = {
     "focal": {"loss_type": "focal", "focal_gamma": 2.0},
     "label_smoothing": {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
@@ -93,9 +91,7 @@ def _params_close(a, b) -> bool:
     return all(torch.allclose(a[name], p, rtol=1e-5, atol=1e-6) for name, p in b.items())
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c.id, marks=CAUSAL_SHIFT if c.task == "causal_lm" else ()) for c in CASES]
-)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_matrix(case, tmp_path, caplog):
     base, data = case.model(), case.data()
     plain_loss, plain, plain_prediction = one_step(Trainer, TrainingArguments, base, data, tmp_path / "plain")

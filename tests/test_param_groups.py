@@ -7,6 +7,10 @@ import torch
 from transformers import (
     DistilBertConfig,
     DistilBertForSequenceClassification,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
     Trainer,
@@ -15,6 +19,7 @@ from transformers import (
 
 from nlp_tricks import TricksTrainer, build_param_groups
 from tiny import bart_lm, bert_seq_cls, seq_cls_data, tricks_args
+from tiny_causal import gpt2_lm, llama_lm, neox_lm
 
 LR = 1e-3
 
@@ -136,3 +141,84 @@ def test_trainer_optimizer_uses_groups_and_scheduler_keeps_ratios(tmp_path):
             assert g["lr"] == pytest.approx(g["initial_lr"] * expected_factor[step])
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
+
+
+# ---- Decoder-only layouts ---------------------------------------------------------------------------------------
+
+
+def _decoder_scale(name, layers_prefix, embeddings, top, num_layers, decay, head=10.0):
+    """The rate of a decoder-only parameter, from its name: embeddings decay^(L+1), layer i decay^(L-i), the final
+    norm 1, the untied lm_head the head scale."""
+    if name in embeddings:
+        return decay ** (num_layers + 1)
+    m = re.match(re.escape(layers_prefix) + r"\.(\d+)\.", name)
+    if m:
+        return decay ** (num_layers - int(m.group(1)))
+    if name in top:
+        return 1.0
+    assert name in ("lm_head.weight", "embed_out.weight"), name
+    return head
+
+
+DECODER_LAYOUTS = {
+    # model builder, layer prefix, embeddings, final norm, L
+    "llama": (lambda: llama_lm(), "model.layers", {"model.embed_tokens.weight"}, {"model.norm.weight"}, 2),
+    "mistral": (
+        lambda: _same_config_as_llama(MistralConfig, MistralForCausalLM),
+        "model.layers",
+        {"model.embed_tokens.weight"},
+        {"model.norm.weight"},
+        2,
+    ),
+    "qwen2": (
+        lambda: _same_config_as_llama(Qwen2Config, Qwen2ForCausalLM),
+        "model.layers",
+        {"model.embed_tokens.weight"},
+        {"model.norm.weight"},
+        2,
+    ),
+    "gpt2": (
+        lambda: gpt2_lm(),
+        "transformer.h",
+        {"transformer.wte.weight", "transformer.wpe.weight"},
+        {"transformer.ln_f.weight", "transformer.ln_f.bias"},
+        2,
+    ),
+    "gpt_neox": (
+        lambda: neox_lm(),
+        "gpt_neox.layers",
+        {"gpt_neox.embed_in.weight"},
+        {"gpt_neox.final_layer_norm.weight", "gpt_neox.final_layer_norm.bias"},
+        3,
+    ),
+}
+
+
+def _same_config_as_llama(config_cls, model_cls):
+    kwargs = llama_lm().config.to_diff_dict()
+    kwargs.pop("architectures", None)
+    kwargs.pop("model_type", None)
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs))
+
+
+@pytest.mark.parametrize("layout", list(DECODER_LAYOUTS))
+def test_layer_decay_decoder_layouts(layout):
+    make, prefix, embeddings, top, num_layers = DECODER_LAYOUTS[layout]
+    model = make()
+    groups = build_param_groups(model, learning_rate=LR, weight_decay=0.0, layer_decay=0.5, head_lr_scale=10.0)
+    lrs = _lr_of(groups)
+    assert set(lrs) == {n for n, _ in model.named_parameters()}
+    assert any(re.match(re.escape(prefix) + rf"\.{num_layers - 1}\.", n) for n in lrs)  # every layer was read
+    for name, (lr, _) in lrs.items():
+        assert lr == pytest.approx(LR * _decoder_scale(name, prefix, embeddings, top, num_layers, 0.5)), name
+
+
+def test_tied_lm_head_is_one_parameter_in_the_embeddings_group():
+    model = gpt2_lm()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    groups = build_param_groups(model, learning_rate=LR, weight_decay=0.0, layer_decay=0.5, head_lr_scale=10.0)
+    holding = [g for g in groups for p in g["params"] if p is model.lm_head.weight]
+    assert len(holding) == 1 and holding[0]["label"] == "embeddings"
+    assert all(len({id(p) for p in g["params"]}) == len(g["params"]) for g in groups)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))  # each parameter once

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
+from resume_helpers import killed_in_child, truncate
 from scripts import resume_run
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
 
@@ -23,17 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
 
 
-def _truncate(path, keep=0.5):
-    data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * keep)])
-
-
 # One case per trick setting; extend the list as tricks arrive (adversarial, scheduled sampling). Each case names
 # how the newest checkpoint is torn after the kill, and the reason the resume must report for it.
 CRASH_CASES = {
     "focal_layer_decay": (
         {"loss_type": "focal", "focal_gamma": 2.0, "layer_decay": 0.8, "head_lr_scale": 5.0, "warmup_ratio": 0.25},
-        lambda ckpt: _truncate(ckpt / "optimizer.pt"),
+        lambda ckpt: truncate(ckpt / "optimizer.pt"),
         "optimizer.pt is truncated",
     ),
     "label_smoothing_accumulation": (
@@ -43,17 +39,17 @@ CRASH_CASES = {
             "gradient_accumulation_steps": 2,
             "per_device_train_batch_size": 2,
         },
-        lambda ckpt: _truncate(ckpt / "model.safetensors"),
+        lambda ckpt: truncate(ckpt / "model.safetensors"),
         "model.safetensors is truncated",
     ),
     "pgd_focal": (
         {"adversarial": "pgd", "adv_steps": 2, "loss_type": "focal"},
-        lambda ckpt: _truncate(ckpt / "optimizer.pt"),
+        lambda ckpt: truncate(ckpt / "optimizer.pt"),
         "optimizer.pt is truncated",
     ),
     "scheduled_sampling_fgm": (
         {"scheduled_sampling": "linear", "ss_k": 16, "ss_mode": "sample", "adversarial": "fgm"},
-        lambda ckpt: _truncate(ckpt / "model.safetensors"),
+        lambda ckpt: truncate(ckpt / "model.safetensors"),
         "model.safetensors is truncated",
     ),
     "ce_no_trainer_state": (
@@ -62,26 +58,6 @@ CRASH_CASES = {
         "trainer_state.json is missing",
     ),
 }
-
-
-@pytest.fixture
-def one_thread():
-    """The same kernels in every run and process, so the runs are comparable to float32 round-off."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _killed_in_child(fn) -> int:
-    """Run ``fn`` in a forked child process (it has everything imported already) and return its wait status."""
-    pid = os.fork()
-    if pid == 0:  # the child: fn is expected to SIGKILL it; anything else is a failure
-        try:
-            fn()
-        finally:
-            os._exit(3)
-    return os.waitpid(pid, 0)[1]
 
 
 def _assert_same_result(reference: Path, resumed: Path, config: dict) -> None:
@@ -109,7 +85,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, one_thread, ca
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
     resume_run.run(reference, config)
 
-    status = _killed_in_child(lambda: resume_run.run(crashed, config, kill_after_save=6))
+    status = killed_in_child(lambda: resume_run.run(crashed, config, kill_after_save=6))
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"wait status {status}"
     assert not (crashed / "final.safetensors").exists()
     assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
@@ -186,13 +162,13 @@ def test_trick_state_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_pa
 
 def test_resume_true_picks_the_newest_complete_checkpoint_and_a_named_torn_one_raises(tmp_path, caplog):
     _counting_trainer(tmp_path).train()
-    _truncate(tmp_path / "checkpoint-4" / "optimizer.pt")
+    truncate(tmp_path / "checkpoint-4" / "optimizer.pt")
     trainer = _counting_trainer(tmp_path)
     trainer.train(resume_from_checkpoint=True)
     assert trainer.trick_state == {"loss_calls": 4}  # resumed at 2 (restored 2) and ran 2 more steps
     assert checkpoint_ok(tmp_path / "checkpoint-4")  # and the resumed run wrote checkpoint-4 anew
 
-    _truncate(tmp_path / "checkpoint-4" / "model.safetensors")
+    truncate(tmp_path / "checkpoint-4" / "model.safetensors")
     with pytest.raises(ValueError, match=r"resume_from_checkpoint=.*checkpoint-4' is incomplete: model.safetensors"):
         _counting_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     with pytest.raises(ValueError, match="No complete checkpoint found in output directory"):

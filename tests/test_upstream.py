@@ -4,6 +4,7 @@ An upgrade that removes or renames one fails here, naming it, rather than deep i
 """
 
 import pytest
+import torch
 from transformers import Trainer
 
 from nlp_tricks import _upstream
@@ -33,3 +34,16 @@ def test_training_attributes_exist(tmp_path):
     trainer.train()
     missing = [name for name in _upstream.TRAINING_ATTRIBUTES if not hasattr(trainer, name)]
     assert not missing, f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/_upstream.py"
+
+
+def test_set_loss_shifts_labels_sets_upstreams_item_count(tmp_path):
+    """Handing the decision back makes upstream count `num_items_in_batch` over `labels[..., 1:]` (TricksTrainer does
+    it for GPT-2-style causal LMs, whose `loss_type` upstream does not recognise)."""
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])  # 5 labels, 3 of them after position 0
+    trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
+    _upstream.count_items_for_every_model(trainer)
+    for shifts, count in ((True, 3), (False, 5)):
+        _upstream.set_loss_shifts_labels(trainer, shifts)
+        assert _upstream.loss_shifts_labels(trainer) is shifts
+        _, counted = trainer.get_batch_samples(iter([{"labels": labels}]), 1, torch.device("cpu"))
+        assert int(counted) == count

@@ -1,0 +1,311 @@
+"""Causal LMs: every loss scores the logits at t against the label at t + 1, as the model's own loss and upstream's
+Trainer do; the item count is over the shifted labels; the collator's `shift_labels` are honoured."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer, TrainingArguments, default_data_collator
+
+from classic_recipes import classic_fgm, classic_pgd
+from nlp_tricks import FGM, PGD, TricksTrainer
+from tiny import bart_lm, bert_token_cls, tricks_args
+from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm
+
+STEP = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, train_sampling_strategy="sequential")
+
+
+def _batch(data):
+    return default_data_collator([data[i] for i in range(len(data))])
+
+
+def _plain_args(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+        **STEP,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def _train(trainer_cls, args, model, data, collator=None):
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, data_collator=collator)
+    trainer.train()
+    return trainer
+
+
+def _assert_same_params(model, ref, msg=""):
+    for name, p in ref.named_parameters():
+        # Summation order differs (micro-batches, loss code): float32 round-off only.
+        torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=f"{name} {msg}")
+
+
+def _shifted(labels):
+    return labels[:, 1:]
+
+
+# ---- The loss of one batch ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_tricks_off_loss_equals_the_models_own_loss(tmp_path, arch):
+    model = CAUSAL_LMS[arch]()
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path))
+    assert trainer.loss_shifts_labels
+    torch.testing.assert_close(trainer.compute_loss(model, batch), model(**batch).loss)
+    n = int(_shifted(batch["labels"]).ne(-100).sum()) + 7  # as if the batch were part of a larger accumulated one
+    torch.testing.assert_close(
+        trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(n)),
+        model(**batch, num_items_in_batch=torch.tensor(n)).loss,
+    )
+
+
+def _focal_reference(logits, labels, gamma):
+    logp = logits.float().log_softmax(-1)
+    valid = labels.ne(-100)
+    logp_y = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (-((1 - logp_y.exp()) ** gamma) * logp_y)[valid].mean()
+
+
+def _distillation_reference(student, teacher, labels, temperature, alpha):
+    valid = labels.ne(-100)
+    s, t = student[valid], teacher[valid]
+    log_s, log_t = (s / temperature).log_softmax(-1), (t / temperature).log_softmax(-1)
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1).mean()
+    return alpha * temperature**2 * kl + (1 - alpha) * F.cross_entropy(s, labels[valid])
+
+
+# Each loss on logits[:, :-1] against labels[:, 1:], written out with torch.
+LOSS_CASES = {
+    "ce": ({}, lambda x, y, t: F.cross_entropy(x.transpose(1, 2), y)),
+    "focal": ({"loss_type": "focal", "focal_gamma": 2.0}, lambda x, y, t: _focal_reference(x, y, 2.0)),
+    "label_smoothing": (
+        {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
+        lambda x, y, t: F.cross_entropy(x.transpose(1, 2), y, label_smoothing=0.1),
+    ),
+    "temperature": ({"temperature": 2.0}, lambda x, y, t: F.cross_entropy(x.transpose(1, 2) / 2.0, y)),
+    "distillation": (
+        {"distill_temperature": 2.0, "distill_alpha": 0.7},
+        lambda x, y, t: _distillation_reference(x, t, y, 2.0, 0.7),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_every_loss_is_taken_on_the_shifted_positions(tmp_path, case):
+    settings, reference = LOSS_CASES[case]
+    model = gpt2_lm()
+    batch = _batch(causal_lm_data())
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    teacher = torch.randn_like(logits) if case == "distillation" else None
+    if teacher is not None:
+        batch["teacher_logits"] = teacher
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **settings))
+    ours = trainer.compute_loss(model, batch)
+    shifted_teacher = None if teacher is None else teacher[:, :-1]
+    want = reference(logits[:, :-1], _shifted(batch["labels"]), shifted_teacher)
+    torch.testing.assert_close(ours, want)
+    # And not the unshifted loss (the bug this guards against).
+    unshifted = reference(logits, batch["labels"], teacher)
+    assert not torch.allclose(ours, unshifted)
+
+
+def test_the_loss_sees_the_models_logits_uncopied(tmp_path):
+    """Labels are shifted, not logits sliced: the loss gets the (B, L, V) logits tensor the model returned."""
+    seen = {}
+
+    class Probe(TricksTrainer):
+        def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
+            seen["logits"], seen["labels"] = logits, labels
+            return super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
+
+    model = llama_lm()
+    batch = _batch(causal_lm_data())
+    loss, outputs = Probe(model=model, args=tricks_args(tmp_path)).compute_loss(model, batch, return_outputs=True)
+    assert seen["logits"] is outputs.logits and seen["logits"].shape == (*batch["labels"].shape, 99)
+    assert torch.equal(seen["labels"][:, :-1], _shifted(batch["labels"]))
+    assert (seen["labels"][:, -1] == -100).all()
+
+
+def test_not_shifted_for_encoder_decoder_and_token_classification(tmp_path):
+    for model in (bart_lm(), bert_token_cls()):
+        assert not TricksTrainer(model=model, args=tricks_args(tmp_path)).loss_shifts_labels
+
+
+# ---- Training steps -------------------------------------------------------------------------------------------------
+
+
+class CountRecorder(TricksTrainer):
+    """Records the item count the Trainer hands to compute_loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.counts = getattr(self, "counts", []) + [int(num_items_in_batch)]
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_item_count_is_over_the_shifted_labels(tmp_path, arch):
+    """Upstream counts `labels[..., 1:]` only for models whose `loss_type` is causal; GPT2LMHeadModel has none, so its
+    count would include position 0. Here both count the shifted labels, hand-counted."""
+    data = causal_lm_data(n=8)
+    args = tricks_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, **STEP)
+    trainer = _train(CountRecorder, args, CAUSAL_LMS[arch](), data)
+    want = sum(int(data[i]["labels"][1:].ne(-100).sum()) for i in range(8))
+    assert trainer.counts == [want, want]
+
+
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_one_sgd_step_equals_the_models_own_loss_accumulated(tmp_path, arch):
+    """Reference: per micro-batch, the model's own (shifted) loss normalised by the step's shifted label count."""
+    data = causal_lm_data(n=8)
+    base = CAUSAL_LMS[arch]()
+    ref = copy.deepcopy(base)
+    items = [data[i] for i in range(8)]
+    total = torch.tensor(sum(int(item["labels"][1:].ne(-100).sum()) for item in items))
+    for start in (0, 4):
+        ref(**default_data_collator(items[start : start + 4]), num_items_in_batch=total).loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.5 * p.grad
+    model = copy.deepcopy(base)
+    args = tricks_args(
+        tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.0, **STEP
+    )
+    _train(TricksTrainer, args, model, data)
+    _assert_same_params(model, ref)
+
+
+def test_one_sgd_step_equals_plain_trainer(tmp_path):
+    """Llama: upstream's Trainer counts and shifts right for it, so it is the reference as it is (clipping on)."""
+    data = causal_lm_data(n=8)
+    base = llama_lm()
+    ref = copy.deepcopy(base)
+    settings = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5)
+    _train(Trainer, _plain_args(tmp_path / "plain", **settings), ref, data)
+    model = copy.deepcopy(base)
+    _train(TricksTrainer, tricks_args(tmp_path / "tricks", **settings, **STEP), model, data)
+    _assert_same_params(model, ref)
+
+
+def test_label_smoothing_equals_upstreams_label_smoothing_factor(tmp_path):
+    data = causal_lm_data(n=8)
+    base = llama_lm()
+    settings = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, label_smoothing_factor=0.1)
+    ref = copy.deepcopy(base)
+    _train(Trainer, _plain_args(tmp_path / "plain", **settings), ref, data)
+    for loss_type in ("label_smoothing", "ce"):  # `ce` with label_smoothing_factor > 0 smooths too
+        model = copy.deepcopy(base)
+        _train(TricksTrainer, tricks_args(tmp_path / loss_type, loss_type=loss_type, **settings, **STEP), model, data)
+        _assert_same_params(model, ref, loss_type)
+
+
+ACCUMULATION_LOSSES = {
+    "ce": {},
+    "focal": {"loss_type": "focal", "focal_gamma": 2.0},
+    "label_smoothing": {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
+}
+
+
+@pytest.mark.parametrize("loss", list(ACCUMULATION_LOSSES))
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_accumulation_is_exact(tmp_path, arch, loss):
+    """One step on 8 sequences equals 4 x 2 and 2 x 4 micro-batches (label counts differ per sequence)."""
+    data = causal_lm_data(n=8)
+    base = CAUSAL_LMS[arch]()
+    settings = dict(ACCUMULATION_LOSSES[loss], **STEP)
+    full = copy.deepcopy(base)
+    _train(TricksTrainer, tricks_args(tmp_path / "full", per_device_train_batch_size=8, **settings), full, data)
+    for bs, ga in [(4, 2), (2, 4)]:
+        split = copy.deepcopy(base)
+        args = tricks_args(
+            tmp_path / f"{bs}x{ga}", per_device_train_batch_size=bs, gradient_accumulation_steps=ga, **settings
+        )
+        _train(TricksTrainer, args, split, data)
+        _assert_same_params(split, full, f"{bs}x{ga}")
+
+
+# ---- shift_labels from the collator -----------------------------------------------------------------------------
+
+
+def packing_collator(features):
+    """Stands for a padding-free collator: it gives `shift_labels`, here with the prediction across a sequence boundary
+    in the middle of each row (position 5 -> 6) masked, which `labels[:, 1:]` alone cannot express."""
+    batch = default_data_collator(features)
+    shift = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    shift[:, 5] = -100
+    batch["shift_labels"] = shift
+    return batch
+
+
+def test_collator_shift_labels_are_honoured(tmp_path):
+    model = llama_lm()
+    data = causal_lm_data(n=8)
+    batch = packing_collator([data[i] for i in range(8)])
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path))
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = F.cross_entropy(logits.transpose(1, 2), batch["shift_labels"])  # written out
+    torch.testing.assert_close(trainer.compute_loss(model, batch), want)
+    torch.testing.assert_close(model(**batch).loss, want)  # the model's own loss honours them too
+
+
+def test_collator_shift_labels_one_step_equals_plain_trainer(tmp_path):
+    """Upstream counts the collator's `shift_labels` and the model's loss takes them: the same step here."""
+    data = causal_lm_data(n=8)
+    base = llama_lm()
+    settings = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    ref = copy.deepcopy(base)
+    _train(Trainer, _plain_args(tmp_path / "plain", **settings), ref, data, packing_collator)
+    model = copy.deepcopy(base)
+    trainer = _train(CountRecorder, tricks_args(tmp_path / "t", **settings, **STEP), model, data, packing_collator)
+    items = [data[i] for i in range(8)]
+    want = sum(int(packing_collator(items[s : s + 4])["shift_labels"].ne(-100).sum()) for s in (0, 4))
+    assert trainer.counts == [want, want]
+    _assert_same_params(model, ref)
+
+
+# ---- FGM / PGD on decoder layouts -----------------------------------------------------------------------------------
+
+ATTACKS = {
+    "fgm": (lambda m: FGM(m, epsilon=1.0), lambda m, f, w: classic_fgm(m, f, w, epsilon=1.0)),
+    "pgd": (
+        lambda m: PGD(m, epsilon=1.0, alpha=0.6, steps=3),
+        lambda m, f, w: classic_pgd(m, f, w, epsilon=1.0, alpha=0.6, steps=3),
+    ),
+}
+
+
+@pytest.mark.parametrize("method", list(ATTACKS))
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_attack_on_a_causal_lm_equals_the_classic_recipe_on_the_input_side(arch, method):
+    """The attack perturbs `wte` / `embed_tokens` only. GPT-2 ties lm_head to it: the reference unties lm_head so that
+    the classic recipe perturbs the input side alone, and the tied weight's gradient is the sum of the two."""
+    ours_attack, classic = ATTACKS[method]
+    model = CAUSAL_LMS[arch]()
+    batch = _batch(causal_lm_data())
+    ref = copy.deepcopy(model)
+    weight = ref.get_input_embeddings().weight
+    tied = ref.get_output_embeddings().weight is weight
+    assert tied == (arch == "gpt2")
+    if tied:
+        ref.lm_head.weight = nn.Parameter(weight.detach().clone())
+    classic(ref, lambda: ref(**batch).loss, weight)
+    clean, adv = ours_attack(model).step(lambda: model(**batch).loss)
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    if tied:
+        want["transformer.wte.weight"] = want["transformer.wte.weight"] + want.pop("lm_head.weight")
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    assert set(ours) == set(want)
+    for name in want:
+        torch.testing.assert_close(ours[name], want[name], msg=name)
+    assert adv > clean
