@@ -1,4 +1,4 @@
-"""The ``nlp-tricks`` command: ``nlp-tricks plot OUTPUT_DIR``."""
+"""The ``nlp-tricks`` command: ``nlp-tricks plot OUTPUT_DIR``, ``nlp-tricks average CKPT [CKPT ...] --output DIR``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,20 @@ def main(argv: list[str] | None = None) -> int:
         "to it: loss.png, eval.png, learning_rate.png, teacher_forcing.png.",
     )
     plot.add_argument("output_dir", help="a training output_dir, a checkpoint-N folder or a trainer_state.json")
+    average = commands.add_parser(
+        "average",
+        help="average checkpoints of one model uniformly into a new model folder (safetensors)",
+        description="Load each checkpoint strictly (wrapper prefixes module. / _orig_mod. removed, tied weights "
+        "once), average the weights uniformly and write the result with save_pretrained to --output, with the "
+        "tokenizer files of the config folder and an averaging.json naming the checkpoints.",
+    )
+    average.add_argument(
+        "checkpoints", nargs="+", help="checkpoint-N / save_pretrained folders or .safetensors / .bin / .pt files"
+    )
+    average.add_argument("--output", required=True, help="folder to write the averaged model to")
+    average.add_argument(
+        "--config", default=None, help="folder with the model's config.json (default: the first checkpoint folder)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "plot":
@@ -31,6 +45,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for path in written:
             print(path)
+    elif args.command == "average":
+        import pickle
+
+        from .averaging import average_checkpoints
+        from .checkpoint import CheckpointMismatchError
+
+        try:
+            print(average_checkpoints(args.checkpoints, args.output, config=args.config))
+        except (OSError, ValueError, TypeError, CheckpointMismatchError, pickle.UnpicklingError) as err:
+            print(f"nlp-tricks average: {err}", file=sys.stderr)
+            return 1
     return 0
 
 

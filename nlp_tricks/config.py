@@ -126,6 +126,39 @@ class TricksArguments(TrainingArguments):
         },
     )
 
+    # --- Weight averaging ---
+    ema_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "Exponential moving average of the weights, decay in [0, 1); 0 turns it off. After every "
+            "optimizer step: ema = d_t * ema + (1 - d_t) * w over the trainable parameters (float32), "
+            "d_t = min(ema_decay, (1 + t) / (10 + t)) with t the steps before it (see ema_warmup). Saved in every "
+            "checkpoint. Typical: 0.99-0.9999 (the average spans about 1 / (1 - ema_decay) steps)."
+        },
+    )
+    ema_warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "Warm the EMA decay up as min(ema_decay, (1 + t) / (10 + t)); false uses ema_decay from the "
+            "first step (the average then leans on the starting weights for about 1 / (1 - ema_decay) steps)."
+        },
+    )
+    ema_eval: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate, predict and save the final model (save_model) with the EMA weights; training goes on "
+            "with the raw weights, restored bitwise. Default: true when ema_decay > 0."
+        },
+    )
+    swa_last_k: int = field(
+        default=0,
+        metadata={
+            "help": "At the end of training, load the uniform average of the K newest complete checkpoints into the "
+            "model (stochastic weight averaging over the last saves); 0 turns it off. Needs save_strategy "
+            "'steps' or 'epoch' and save_total_limit >= K (or none)."
+        },
+    )
+
     def __post_init__(self):
         # Mapped before the parent validates `warmup_steps`.
         if self.warmup_ratio is not None:
@@ -189,3 +222,33 @@ class TricksArguments(TrainingArguments):
                 f"adversarial={self.adversarial!r} needs several backward passes per step, but optim={self.optim!r} "
                 "updates the weights inside backward; choose another optimizer"
             )
+
+        # --- Weight averaging ---
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay={self.ema_decay} is not allowed; it must be in [0, 1) (0 turns EMA off)")
+        if self.ema_eval is None:
+            self.ema_eval = self.ema_decay > 0
+        elif self.ema_eval and self.ema_decay == 0:
+            raise ValueError("ema_eval=True needs an EMA to evaluate: set ema_decay in (0, 1), e.g. 0.999")
+        if int(self.swa_last_k) != self.swa_last_k or self.swa_last_k < 0:
+            raise ValueError(f"swa_last_k={self.swa_last_k} is not allowed; it must be an integer >= 0 (0: off)")
+        if self.swa_last_k > 0:
+            if getattr(self.save_strategy, "value", self.save_strategy) == "no":
+                raise ValueError(
+                    f"swa_last_k={self.swa_last_k} averages saved checkpoints, but save_strategy='no'; choose "
+                    "save_strategy 'steps' or 'epoch'"
+                )
+            if self.save_total_limit is not None and self.save_total_limit < self.swa_last_k:
+                raise ValueError(
+                    f"swa_last_k={self.swa_last_k} needs that many checkpoints, but save_total_limit="
+                    f"{self.save_total_limit} deletes older ones; set save_total_limit >= {self.swa_last_k} or none"
+                )
+            if self.load_best_model_at_end:
+                raise ValueError(
+                    "swa_last_k and load_best_model_at_end both choose the final weights; use one of them"
+                )
+            if self.ema_eval:
+                raise ValueError(
+                    "swa_last_k and ema_eval both choose the final weights; to average the raw checkpoints while "
+                    "keeping an EMA, set ema_eval=False"
+                )

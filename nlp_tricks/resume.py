@@ -8,6 +8,7 @@ import os
 import re
 import struct
 import zipfile
+from collections.abc import Sequence
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -25,7 +26,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # ---- Checkpoint folders ----------------------------------------------------------------------------------------
 
 
-def checkpoint_problem(folder: str | os.PathLike) -> str | None:
+def checkpoint_problem(folder: str | os.PathLike, required: Sequence[str] = ()) -> str | None:
     """What makes a Trainer checkpoint folder unusable for resuming, or ``None`` when it is complete.
 
     Complete means: ``trainer_state.json`` (the Trainer writes it last) parses; model weights are present
@@ -33,7 +34,8 @@ def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     DeepSpeed / FSDP layout); and every weight, optimizer, scheduler, scaler and RNG file in the folder is intact:
     a safetensors file as long as its header promises, a torch file with a readable zip directory whose members lie
     inside the file. These checks read headers only, so they take milliseconds on any model size; a crash truncates
-    files, which they catch, while bytes flipped inside a file are not checksummed here.
+    files, which they catch, while bytes flipped inside a file are not checksummed here. ``required`` names further
+    files the run needs (e.g. a trick's state, such as the EMA's ``ema_state.safetensors``).
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -41,6 +43,9 @@ def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     names = set(os.listdir(folder))
     if TRAINER_STATE_NAME not in names:
         return f"{TRAINER_STATE_NAME} is missing (the Trainer writes it last, so the save did not finish)"
+    for name in required:
+        if name not in names:
+            return f"{name} is missing (this run needs it to resume)"
     for name in sorted(names):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -69,8 +74,9 @@ def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def get_last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest ``checkpoint-N`` folder in ``output_dir`` that :func:`checkpoint_problem` finds complete.
+def get_last_complete_checkpoint(output_dir: str | os.PathLike, required: Sequence[str] = ()) -> str | None:
+    """The newest ``checkpoint-N`` folder in ``output_dir`` that :func:`checkpoint_problem` finds complete (with the
+    ``required`` files).
 
     Newer folders that are incomplete (a crash while saving) are skipped with a warning naming them and what is
     wrong. ``None`` if there is no complete one.
@@ -85,7 +91,7 @@ def get_last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     )
     for _, name in reversed(steps):
         path = os.path.join(output_dir, name)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, required)
         if problem is None:
             return path
         logger.warning(f"Skipping incomplete checkpoint {path}: {problem}")

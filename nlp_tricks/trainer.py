@@ -20,6 +20,16 @@ from transformers.utils import ModelOutput
 
 from . import _upstream
 from .adversarial import FGM, PGD  # --- Adversarial ---
+from .averaging import (  # --- Weight averaging ---
+    AVERAGING_INFO_NAME,
+    EMA,
+    EMA_STATE_NAME,
+    EMACallback,
+    average_into,
+    ema_unsupported_reason,
+    last_complete_checkpoints,
+    write_averaging_info,
+)
 from .config import TricksArguments
 from .losses import (
     cross_entropy,
@@ -31,7 +41,7 @@ from .losses import (
 from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
 from .param_groups import build_param_groups
-from .resume import TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
+from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 
 __all__ = ["TricksTrainer"]
 
@@ -120,6 +130,15 @@ class TricksTrainer(Trainer):
         self._attack_neftune_alpha = None
         if self.neftune_noise_alpha is not None and self.args.adversarial != "none":
             self._attack_neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        # --- Weight averaging ---
+        self._ema_callback: EMACallback | None = None
+        self._swa_checkpoints: list[str] | None = None
+        if self.args.ema_decay > 0:
+            problem = ema_unsupported_reason(self)
+            if problem is not None:
+                raise ValueError(problem)
+            self._ema_callback = EMACallback(self.args.ema_decay, warmup=self.args.ema_warmup)
+            self.add_callback(self._ema_callback)
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -517,17 +536,25 @@ class TricksTrainer(Trainer):
         folders are skipped with a warning naming them and what is wrong (see
         :func:`~nlp_tricks.resume.checkpoint_problem`), and a named checkpoint that is incomplete raises.
         """
+        # Files the tricks of this run need in a checkpoint to resume (their saved state).
+        required = (EMA_STATE_NAME,) if self._ema_callback is not None else ()
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir, required)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            problem = checkpoint_problem(resume_from_checkpoint)
+            problem = checkpoint_problem(resume_from_checkpoint, required)
             if problem is not None:
                 raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
-        return super().train(
+        # --- Weight averaging ---
+        self._swa_checkpoints = None
+        if self._ema_callback is not None:
+            self._ema_callback.resume_from = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
+        output = super().train(
             resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
         )
+        self._finish_weight_averaging()
+        return output
 
     # ---- Adversarial -----------------------------------------------------------------------------------------------
 
@@ -627,3 +654,82 @@ class TricksTrainer(Trainer):
                     target=args.adv_target,
                 )
         return self._adversary
+
+    # --- Weight averaging ---
+
+    @property
+    def ema(self) -> EMA | None:
+        """The :class:`~nlp_tricks.averaging.EMA` of the model (``--ema_decay``), built when training starts."""
+        return None if self._ema_callback is None else self._ema_callback.ema
+
+    @contextlib.contextmanager
+    def _ema_weights_if_eval(self):
+        """The EMA weights in the model for the block when ``--ema_eval`` (and an EMA exists), else nothing."""
+        ema = self.ema if self.args.ema_eval else None
+        if ema is None:
+            yield
+        else:
+            with ema.swapped_in():
+                yield
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
+        """Upstream ``evaluate``; with ``--ema_eval`` on the EMA weights (the raw ones are restored bitwise after)."""
+        with self._ema_weights_if_eval():
+            return super().evaluate(
+                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
+            )
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test", **kwargs):
+        """Upstream ``predict``; with ``--ema_eval`` on the EMA weights (the raw ones are restored bitwise after)."""
+        with self._ema_weights_if_eval():
+            return super().predict(
+                test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
+            )
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Upstream ``save_model``, plus the weight averages.
+
+        - Into a ``checkpoint-N`` folder: the raw weights, and the EMA state as ``ema_state.safetensors`` (written
+          before ``trainer_state.json``, so a complete checkpoint always holds it).
+        - Anywhere else (the final model): with ``--ema_eval`` the EMA weights, after ``--swa_last_k`` the
+          checkpoint average, each with an ``averaging.json`` beside it saying so.
+        """
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(output_dir))):
+            super().save_model(output_dir, _internal_call)
+            if self.ema is not None and self.args.should_save:
+                self.ema.save(os.path.join(output_dir, EMA_STATE_NAME))
+            return
+        info = None
+        if self._swa_checkpoints is not None:
+            info = {"weights": "swa", "checkpoints": [os.path.basename(p) for p in self._swa_checkpoints]}
+        elif self.args.ema_eval and self.ema is not None:
+            ema = self.ema
+            info = {"weights": "ema", "ema_decay": ema.decay, "ema_warmup": ema.warmup, "updates": ema.num_updates}
+        with self._ema_weights_if_eval():  # (swa_last_k excludes ema_eval)
+            super().save_model(output_dir, _internal_call)
+        if self.args.should_save and os.path.isdir(output_dir):
+            if info is not None:
+                write_averaging_info(output_dir, info)
+            elif os.path.isfile(os.path.join(output_dir, AVERAGING_INFO_NAME)):
+                os.remove(os.path.join(output_dir, AVERAGING_INFO_NAME))  # left by an earlier run: no longer true
+
+    def _finish_weight_averaging(self) -> None:
+        """After training: ``--swa_last_k`` loads the checkpoint average; best-model loading also takes its EMA."""
+        args = self.args
+        if args.swa_last_k > 0:
+            self.accelerator.wait_for_everyone()  # the main process may still be writing the last checkpoint
+            paths = last_complete_checkpoints(args.output_dir, args.swa_last_k, max_step=self.state.global_step)
+            if not paths:
+                logger.warning(f"swa_last_k={args.swa_last_k}: no complete checkpoint in {args.output_dir}; skipped")
+                return
+            if len(paths) < args.swa_last_k:
+                logger.warning(
+                    f"swa_last_k={args.swa_last_k} but only {len(paths)} complete checkpoints exist; averaging those"
+                )
+            average_into(self.model, paths)
+            self._swa_checkpoints = paths
+            logger.info(f"swa_last_k: the model now holds the average of {', '.join(paths)}")
+        elif self.ema is not None and args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            # The best checkpoint's raw weights are loaded upstream; its EMA goes with them.
+            self.ema.load(os.path.join(self.state.best_model_checkpoint, EMA_STATE_NAME))

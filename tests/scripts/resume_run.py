@@ -4,7 +4,8 @@ or resume from the newest complete checkpoint.
     python tests/scripts/resume_run.py --out DIR --config '{"loss_type": "focal"}' [--kill_after_save 6] [--resume]
         [--max_steps 8]
 
-At the end it writes DIR/final.safetensors (the weights) and DIR/final_trick_state.json.
+At the end it writes DIR/final.safetensors (the weights) and DIR/final_trick_state.json (and DIR/final_ema.safetensors,
+the EMA state, with --ema_decay).
 """
 
 import argparse
@@ -81,6 +82,8 @@ def run(out, config, kill_after_save=None, resume=False, max_steps=MAX_STEPS):
     save_file({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
     with open(os.path.join(out, "final_trick_state.json"), "w") as f:
         json.dump(trainer.trick_state, f)
+    if trainer.ema is not None:  # --ema_decay: the average, to compare as well
+        trainer.ema.save(os.path.join(out, "final_ema.safetensors"))
 
 
 def main():
