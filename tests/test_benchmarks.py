@@ -28,3 +28,14 @@ def test_losses_benchmark_quick_json():
     assert rows["cross_entropy"]["ratio"] == 1.0
     assert set(rows) == {"cross_entropy", "focal_loss", "label_smoothing"}
     assert all(r["median_ms"] > 0 for r in rows.values())
+
+
+def test_ema_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ema.py"), "--quick", "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["case"], r["baseline"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert rows[("plain", "plain")]["ratio"] == 1.0
+    assert {("ema", "plain"), ("classic ema", "plain"), ("EMA.update", "classic update")} <= set(rows)
+    assert all(r["median_ms"] > 0 for r in rows.values())
