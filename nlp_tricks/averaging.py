@@ -29,6 +29,7 @@ __all__ = [
     "EMA",
     "EMACallback",
     "ema_decay_at",
+    "validate_ema_decay",
     "ema_unsupported_reason",
     "average_into",
     "average_checkpoints",
@@ -63,6 +64,13 @@ _COPIED_FILES = (
 
 
 # ---- EMA ------------------------------------------------------------------------------------------------------------
+
+
+def validate_ema_decay(decay: float, name: str = "decay", *, allow_off: bool = False) -> None:
+    """Raise ``ValueError`` naming the argument (``name``) unless ``decay`` is in (0, 1) (``[0, 1)`` with 0 = off)."""
+    if not ((decay >= 0 if allow_off else decay > 0) and decay < 1):
+        allowed = "[0, 1) (0 turns EMA off)" if allow_off else "(0, 1)"
+        raise ValueError(f"{name}={decay} is not allowed; it must be in {allowed}, e.g. 0.999")
 
 
 def ema_decay_at(decay: float, t: int, warmup: bool = True) -> float:
@@ -113,8 +121,7 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.999, *, warmup: bool = True):
-        if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay={decay} is not allowed; it must be in (0, 1), e.g. 0.999")
+        validate_ema_decay(decay)
         self.decay = float(decay)
         self.warmup = bool(warmup)
         # named_parameters() yields each tensor once: a tied weight appears under its first name only.

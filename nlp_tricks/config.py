@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .adversarial import ADV_NORMS, validate_attack
+from .averaging import validate_ema_decay
 
 __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
@@ -224,8 +225,7 @@ class TricksArguments(TrainingArguments):
             )
 
         # --- Weight averaging ---
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay={self.ema_decay} is not allowed; it must be in [0, 1) (0 turns EMA off)")
+        validate_ema_decay(self.ema_decay, "ema_decay", allow_off=True)
         if self.ema_eval is None:
             self.ema_eval = self.ema_decay > 0
         elif self.ema_eval and self.ema_decay == 0:

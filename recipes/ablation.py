@@ -54,6 +54,9 @@ CONFIGURATIONS = {
     "focal": ["--loss_type", "focal"],
     "label_smoothing": ["--loss_type", "label_smoothing", "--label_smoothing_factor", "0.1"],
     "layer_decay": ["--layer_decay", "0.9"],
+    "ema": ["--ema_decay", "0.999"],
+    # The 3 newest of the saves every 50 steps (weights only), averaged into the final model.
+    "swa": "--save_strategy steps --save_steps 50 --save_total_limit 3 --save_only_model true --swa_last_k 3".split(),
 }
 # task -> its trivial baselines (recipes/baselines.py --baseline NAME), run as rows beside the models
 TRIVIAL_BASELINES = {"ner": ["gazetteer"], "classification": ["tfidf_lr"], "summarization": ["copy", "lead3"]}

@@ -33,8 +33,11 @@ from nlp_tricks.averaging import (
 )
 from nlp_tricks.checkpoint import CheckpointMismatchError
 from nlp_tricks.cli import main as cli_main
+from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
 from scripts import resume_run
 from tiny import bert_config, bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
+
+from ablation import CONFIGURATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -465,3 +468,23 @@ def test_swa_last_k_loads_the_mean_of_the_k_newest_checkpoints(tmp_path):
     trainer.save_model(str(tmp_path / "final"))
     info = json.loads((tmp_path / "final" / AVERAGING_INFO_NAME).read_text())
     assert info == {"weights": "swa", "checkpoints": ["checkpoint-3", "checkpoint-4", "checkpoint-5"]}
+
+
+# ---- In a recipe, with the ablation's flags -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("configuration", ["ema", "swa"])
+def test_ner_recipe_runs_the_ablation_rows(configuration, tiny_model, tmp_path, monkeypatch):
+    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    out = tmp_path / "out"
+    flags = [f"--{split}_file={tmp_path / 'test.conll'}" for split in ("validation", "test")]
+    flags += [f"--train_file={tmp_path / 'train.conll'}", *CONFIGURATIONS[configuration]]
+    if configuration == "swa":  # 2 steps here: save after each, average both (the last value of a flag wins)
+        flags += ["--save_steps", "1", "--swa_last_k", "2"]
+    assert run_in_process("ner", tiny_args(tiny_model, out, *flags), monkeypatch) == 0
+    info = json.loads((out / AVERAGING_INFO_NAME).read_text())
+    assert info["weights"] == configuration
+    if configuration == "swa":
+        assert info["checkpoints"] == ["checkpoint-1", "checkpoint-2"]
+    assert json.loads((out / "all_results.json").read_text())["test_f1"] >= 0
