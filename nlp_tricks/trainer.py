@@ -69,6 +69,10 @@ class TricksTrainer(Trainer):
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
       (``args.learning_rate`` times the schedule) on every model, ``lr/<group>`` each group's.
+    - Weight averaging (``--ema_decay``, ``--ema_eval``, ``--swa_last_k``; :mod:`nlp_tricks.averaging`): an
+      :class:`~nlp_tricks.averaging.EMA` updated after every optimizer step, saved in every checkpoint and restored
+      on resume; :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` swap it in (the raw weights come
+      back bitwise); or the average of the last checkpoints loaded at the end of training.
 
     Extension points for subclasses:
 
@@ -536,8 +540,7 @@ class TricksTrainer(Trainer):
         folders are skipped with a warning naming them and what is wrong (see
         :func:`~nlp_tricks.resume.checkpoint_problem`), and a named checkpoint that is incomplete raises.
         """
-        # Files the tricks of this run need in a checkpoint to resume (their saved state).
-        required = (EMA_STATE_NAME,) if self._ema_callback is not None else ()
+        required = self.required_checkpoint_files
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir, required)
             if resume_from_checkpoint is None:
@@ -656,6 +659,11 @@ class TricksTrainer(Trainer):
         return self._adversary
 
     # --- Weight averaging ---
+
+    @property
+    def required_checkpoint_files(self) -> tuple[str, ...]:
+        """Files the tricks of this run need in a ``checkpoint-N`` folder to resume from it (their saved state)."""
+        return (EMA_STATE_NAME,) if self._ema_callback is not None else ()
 
     @property
     def ema(self) -> EMA | None:

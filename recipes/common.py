@@ -441,7 +441,7 @@ def train_evaluate_predict(
     results = {}
     if args.do_train:
         resume = resume_argument(args.resume_from_checkpoint)
-        if resume is True and get_last_complete_checkpoint(args.output_dir) is None:
+        if resume is True and get_last_complete_checkpoint(args.output_dir, trainer.required_checkpoint_files) is None:
             raise DataError(
                 None,
                 None,
