@@ -286,6 +286,25 @@ def test_without_ema_eval_the_final_save_is_raw_and_a_stale_marker_goes(tmp_path
     assert not (tmp_path / AVERAGING_INFO_NAME).exists()
 
 
+def test_load_best_model_at_end_takes_the_best_checkpoints_ema(tmp_path):
+    args = tricks_args(
+        tmp_path, max_steps=4, optim="sgd", learning_rate=0.5, ema_decay=0.5, eval_strategy="steps", eval_steps=1,
+        save_strategy="steps", save_steps=1, load_best_model_at_end=True, metric_for_best_model="loss",
+    )  # fmt: skip
+    trainer = TricksTrainer(
+        model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=16), eval_dataset=seq_cls_data(n=8, seed=1)
+    )
+    trainer.train()
+    evals = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    best = min(evals, key=evals.get)
+    assert best != 4  # (here: 1) so the final EMA had to be replaced by the best checkpoint's
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
+    saved = load_file(tmp_path / f"checkpoint-{best}" / EMA_STATE_NAME)
+    assert trainer.ema.num_updates == best
+    for name, value in trainer.ema.state_dict()["shadow"].items():
+        assert torch.equal(value, saved[name]), name
+
+
 # ---- Resume after kill -9 -------------------------------------------------------------------------------------------
 
 
