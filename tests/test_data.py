@@ -9,6 +9,7 @@ import pytest
 
 from nlp_tricks.data import (
     DataError,
+    canonical_label,
     check_labels,
     demo_classification,
     demo_ner,
@@ -19,7 +20,9 @@ from nlp_tricks.data import (
     read_jsonl,
     read_ner_file,
     read_table_file,
+    read_text_sentences,
     split_examples,
+    subtoken_tags,
 )
 
 
@@ -31,11 +34,16 @@ def error_of(fn, *args) -> str:
 
 def test_conll_four_columns_docstart_and_tabs(tmp_path):
     path = tmp_path / "train.conll"
-    path.write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n\nPeter\tB-PER\n \t\nx O\n")
+    path.write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n\nPeter NNP B-NP B-PER\n")
     examples = read_conll(path)
-    assert [ex["tokens"] for ex in examples] == [["EU", "rejects"], ["Peter"], ["x"]]
-    assert [ex["ner_tags"] for ex in examples] == [["B-ORG", "O"], ["B-PER"], ["O"]]
-    assert [ex["tag_lines"] for ex in examples] == [[3, 4], [7], [9]]
+    assert [ex["tokens"] for ex in examples] == [["EU", "rejects"], ["Peter"]]
+    assert [ex["ner_tags"] for ex in examples] == [["B-ORG", "O"], ["B-PER"]]
+    assert [ex["tag_lines"] for ex in examples] == [[3, 4], [7]]
+    path.write_text("Peter\tB-PER\n \t\nx O\nsaid\t O \n")  # tabs or spaces; blank lines may hold whitespace
+    examples = read_conll(path)
+    assert [ex["tokens"] for ex in examples] == [["Peter"], ["x", "said"]]
+    assert [ex["ner_tags"] for ex in examples] == [["B-PER"], ["O", "O"]]
+    assert [ex["tag_lines"] for ex in examples] == [[1], [3, 4]]
 
 
 def test_conll_errors(tmp_path):
@@ -58,8 +66,10 @@ def test_jsonl_ner_and_errors(tmp_path):
     assert error_of(read_ner_file, path) == (f"{path}:2: 2 tokens but 1 ner_tags; they must be the same length")
     path.write_text('{"tokens": ["a"], "ner_tags": ["O"]}\n{"tokens": ["a"]}\n')
     assert error_of(read_ner_file, path) == f"{path}:2: record has no field 'ner_tags'; it has ['tokens']"
-    path.write_text('{"tokens": ["a"], "ner_tags": [1]}\n')
-    assert error_of(read_ner_file, path) == f"{path}:1: field 'ner_tags' must be a list of strings"
+    path.write_text('{"tokens": ["a"], "ner_tags": [null]}\n')
+    assert error_of(read_ner_file, path) == (
+        f"{path}:1: field 'ner_tags' must be a list of strings (or of integer ids)"
+    )
     path.write_text("{not json}\n")
     assert error_of(read_jsonl, path, ["text"]).startswith(f"{path}:1: not valid JSON")
     path.write_text("")
@@ -100,6 +110,197 @@ def test_labels_come_from_training_and_unseen_is_an_error(tmp_path):
     check_labels([{"label": "a", "line": 2}], "label", ["a", "b"], "dev.csv")  # known labels pass
     with pytest.raises(DataError, match=r"^dev.csv:7: label 'c'"):
         check_labels([{"label": "c", "line": 7}], "label", ["a", "b"], "dev.csv")
+
+
+# ---- What the readers refuse rather than misread ------------------------------------------------------------------
+
+
+def test_conll_token_holding_a_space_is_refused(tmp_path):
+    path = tmp_path / "train.conll"
+    # A whitespace-splitting reader keeps 'New' with the tag of 'New York'.
+    path.write_text("I\tO\nlove\tO\nNew York\tB-LOC\n")
+    assert error_of(read_conll, path) == (
+        f"{path}:3: token 'New York' holds a space, and whitespace separates the columns of a CoNLL file; write one "
+        "word per line (or use JSON lines)"
+    )
+    path.write_text("I O\nlove O\nNew York B-LOC\n")  # with spaces the extra column gives it away
+    assert error_of(read_conll, path) == (
+        f"{path}:3: 3 columns where line 1 has 2; every line of a CoNLL file has the same columns (a token cannot "
+        "hold a space)"
+    )
+
+
+def test_conll_tag_first_is_refused(tmp_path):
+    path = tmp_path / "train.conll"
+    path.write_text("B-PER\tJohn\nO\tlives\nO\tin\nB-LOC\tParis\n")
+    assert error_of(read_conll, path) == (
+        f"{path}:1: the tag 'John' reads as a word and its token 'B-PER' as a tag, as on every line: is the tag "
+        "first? NER data has the token first and the tag last"
+    )
+    # Words among IOB tags: a shifted or stray column; seqeval would score 'lives' as an entity type.
+    path.write_text("John B-PER\nlives lives\n")
+    assert error_of(read_conll, path) == (
+        f"{path}:2: tag 'lives' is neither 'O' nor a prefixed tag like the file's 'B-PER'; the tag goes last and "
+        "every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'"
+    )
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text(json.dumps({"tokens": ["B-PER", "O"], "ner_tags": ["John", "runs"]}) + "\n")
+    assert error_of(read_ner_file, jsonl).startswith(f"{jsonl}:1: the tag 'John' reads as a word")
+    path.write_text("John PER\nlives O\n")  # tag sets without prefixes are read as they are
+    assert read_conll(path)[0]["ner_tags"] == ["PER", "O"]
+
+
+def test_conll_comment_lines_are_skipped_never_labels(tmp_path):
+    path = tmp_path / "multiconer.conll"
+    path.write_text(
+        "# id 8a2b2f1e-4f7d-4c1b-9a55-0d6a1d4a7c3e\tdomain=en\n"
+        "the _ _ O\nbeatles _ _ B-GRP\n\n"
+        "# id 77c4c9b2-2b9a-4ad4-8f2e-6c1e6f0b2d11\tdomain=en\n"
+        "# text = # 1 hit\n"
+        "# _ _ O\n"  # the token '#': four columns and a tag of the file
+        "1 _ _ O\nhit _ _ O\n"
+    )
+    examples = read_conll(path)
+    assert [ex["tokens"] for ex in examples] == [["the", "beatles"], ["#", "1", "hit"]]
+    assert [ex["ner_tags"] for ex in examples] == [["O", "B-GRP"], ["O", "O", "O"]]
+    assert [ex["tag_lines"] for ex in examples] == [[2, 3], [7, 8, 9]]
+    path.write_text("#\tO\nrocks\tO\n\n# sent_id = 2\nok\tO\n")
+    assert [ex["tokens"] for ex in read_conll(path)] == [["#", "rocks"], ["ok"]]
+    path.write_text("the O\n# id 2 domain=en\nbeatles B-GRP\n")
+    assert error_of(read_conll, path) == (
+        f"{path}:2: comment line '# id 2 domain=en' inside a sentence; a comment goes before a sentence's first "
+        "token (after a blank line)"
+    )
+
+
+def test_empty_labels_are_refused(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\ngood film,pos\nno label here,\nbad,neg\n")
+    assert error_of(read_table_file, path, ["text", "label"], ["label"]) == (
+        f"{path}:3: empty value in column 'label'"
+    )
+    path.write_text('text,label\ngood film,pos\nblank," "\n')
+    assert error_of(read_csv, path, ["text", "label"], ["label"]) == f"{path}:3: empty value in column 'label'"
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text('{"text": "a", "label": "pos"}\n{"text": "b", "label": ""}\n')
+    assert error_of(read_table_file, jsonl, ["text", "label"], ["label"]) == f"{jsonl}:2: field 'label' is empty"
+    jsonl.write_text(json.dumps({"tokens": ["a", "b"], "ner_tags": ["O", ""]}) + "\n")
+    assert error_of(read_ner_file, jsonl) == f"{jsonl}:1: field 'ner_tags' holds an empty tag"
+    conll = tmp_path / "train.conll"
+    conll.write_text("a\tO\nb\t\n")
+    assert error_of(read_conll, conll) == (
+        f"{conll}:2: token 'b' has no tag; expected 'token tag' (token first, tag last)"
+    )
+
+
+def test_plain_text_sentences(tmp_path):
+    path = tmp_path / "raw.txt"
+    path.write_text("John lives in  Paris .\n\n\tMary works at Google\r\n")
+    assert read_text_sentences(path) == [
+        {"tokens": ["John", "lives", "in", "Paris", "."], "line": 1},
+        {"tokens": ["Mary", "works", "at", "Google"], "line": 3},
+    ]
+    path.write_text("John\nlives\n\nMary\nworks\n")
+    assert error_of(read_text_sentences, path) == (
+        f"{path}: every line holds a single word, as in one word per line (CoNLL); a .txt file holds one sentence "
+        "per line: rename a one-word-per-line file to .conll"
+    )
+    path.write_text("John B-PER\nlives O\n")
+    assert error_of(read_text_sentences, path).startswith(f"{path}:1: every line ends in a tag ('B-PER')")
+    path.write_text("\n \n")
+    assert error_of(read_text_sentences, path) == f"{path}: empty file: no sentences"
+
+
+def test_numeric_labels_keep_their_meaning():
+    # Labels 0..K-1 in numeric order: label i gets id i (as strings '10' would sort before '2').
+    train = [{"label": str(i)} for i in (2, 10, 0, 1, 3, 4, 5, 6, 7, 8, 9)]
+    assert label_list(train, "label") == [str(i) for i in range(11)]
+    # One class however it is spelled: 1 == 1.0 == "1.0"; the test file's "1" is a training label.
+    train = [{"label": "1.0", "line": 2}, {"label": 0, "line": 3}, {"label": "-0.5", "line": 4}]
+    assert label_list(train, "label") == ["-0.5", "0", "1"]
+    check_labels([{"label": "1", "line": 2}, {"label": 0.0, "line": 3}], "label", label_list(train, "label"), "t")
+    with pytest.raises(DataError, match=r"^t:5: label '2'"):
+        check_labels([{"label": "2", "line": 5}], "label", label_list(train, "label"), "t")
+    assert [canonical_label(v) for v in (1, 1.0, "1.0", " 1 ", "1e1", "0.50", "nan", "pos", "01")] == [
+        "1", "1", "1", "1", "10", "0.5", "nan", "pos", "1"
+    ]  # fmt: skip
+    # Mixed sets stay strings (sorted as strings), with numbers still in one spelling.
+    assert label_list([{"label": "pos"}, {"label": "1.0"}, {"label": "1"}], "label") == ["1", "pos"]
+
+
+def test_ner_jsonl_integer_tags_with_label_names(tmp_path):
+    names = ["O", "B-PER", "I-PER", "B-LOC"]  # the Hub's ClassLabel names, id i is names[i]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"tokens": ["John", "Smith", "in", "Rome"], "ner_tags": [1, 2, 0, 3]}) + "\n")
+    assert read_ner_file(path, label_names=names)[0]["ner_tags"] == ["B-PER", "I-PER", "O", "B-LOC"]
+    assert error_of(read_ner_file, path) == (
+        f"{path}:1: field 'ner_tags' holds integer ids; give the tag of each id in order with --label_names "
+        "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)"
+    )
+    path.write_text(
+        json.dumps({"tokens": ["a"], "ner_tags": [0]}) + "\n" + json.dumps({"tokens": ["b"], "ner_tags": [4]})
+    )
+    assert error_of(read_ner_file, path, "tokens", "ner_tags", names) == (
+        f"{path}:2: tag id 4 is out of range: --label_names has 4 names (ids 0..3)"
+    )
+    conll = tmp_path / "train.conll"
+    conll.write_text("John 1\nin 0\nRome 3\n")  # CoNLL ids are digit strings
+    assert read_ner_file(conll, label_names=names)[0]["ner_tags"] == ["B-PER", "O", "B-LOC"]
+    path.write_text(json.dumps({"tokens": ["John", "in"], "ner_tags": ["B-PER", "O"]}) + "\n")  # names stay names
+    assert read_ner_file(path, label_names=names)[0]["ner_tags"] == ["B-PER", "O"]
+    path.write_text(json.dumps({"tokens": ["John"], "ner_tags": ["B-ORG"]}) + "\n")
+    assert error_of(read_ner_file, path, "tokens", "ner_tags", names) == (
+        f"{path}:1: tag 'B-ORG' is neither an integer id nor one of --label_names {names}"
+    )
+
+
+def entity_spans(tags: list[str]) -> list[tuple[str, int, int]]:
+    """(type, first, last) of every entity, written out for the IOB2 / BIOES / BILOU schemes (B/S/U open)."""
+    spans, start = [], None
+    for i, tag in enumerate(tags):
+        prefix, kind = (tag[0], tag[2:]) if tag != "O" else ("O", None)
+        if prefix in "BSU" or (prefix in "IEL" and start is None):
+            start = (kind, i)
+        if prefix in "SUEL" or (start is not None and (i + 1 == len(tags) or tags[i + 1][0] in "OBSU")):
+            if start is not None and prefix != "O":
+                spans.append((start[0], start[1], i))
+            start = None
+    return spans
+
+
+@pytest.mark.parametrize(
+    "tag, n, expected",
+    [
+        ("O", 3, ["O", "O", "O"]),
+        ("B-PER", 3, ["B-PER", "I-PER", "I-PER"]),
+        ("I-PER", 2, ["I-PER", "I-PER"]),
+        ("S-LOC", 1, ["S-LOC"]),
+        ("S-LOC", 2, ["B-LOC", "E-LOC"]),
+        ("S-LOC", 4, ["B-LOC", "I-LOC", "I-LOC", "E-LOC"]),
+        ("E-LOC", 3, ["I-LOC", "I-LOC", "E-LOC"]),
+        ("U-ORG", 3, ["B-ORG", "I-ORG", "L-ORG"]),
+        ("L-ORG", 2, ["I-ORG", "L-ORG"]),
+        ("PER", 2, ["PER", "PER"]),
+    ],
+)
+def test_subtoken_tags_follow_the_scheme(tag, n, expected):
+    assert subtoken_tags(tag, n) == expected
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["O", "S-PER", "O", "B-LOC", "I-LOC", "E-LOC", "S-ORG"],  # BIOES
+        ["B-PER", "I-PER", "O", "B-LOC", "B-LOC"],  # IOB2
+        ["U-PER", "O", "B-ORG", "L-ORG"],  # BILOU
+    ],
+)
+def test_subtoken_tags_keep_the_entities(words):
+    # Splitting every word into 1..3 sub-tokens keeps the same entities over the same words.
+    pieces = [1 + i % 3 for i in range(len(words))]
+    sub = [t for tag, n in zip(words, pieces) for t in subtoken_tags(tag, n)]
+    owner = [w for w, n in enumerate(pieces) for _ in range(n)]
+    assert [(k, owner[a], owner[b]) for k, a, b in entity_spans(sub)] == entity_spans(words)
 
 
 def test_split_is_deterministic_and_a_partition():

@@ -1,4 +1,4 @@
-"""Readers for the recipes' data: CoNLL, JSON lines, CSV and the built-in offline demo data.
+"""Readers for the recipes' data: CoNLL, JSON lines, CSV, plain text and the built-in offline demo data.
 
 Every reader returns a list of plain dicts (one per example) and raises :class:`DataError`, whose message is
 ``file:line: what is wrong``, on input it cannot use.
@@ -7,15 +7,20 @@ Every reader returns a list of plain dicts (one per example) and raises :class:`
 from .demo import DEMO_PACKAGES, demo_classification, demo_model_path, demo_ner, demo_summarization
 from .readers import (
     DataError,
+    canonical_label,
     check_labels,
+    check_tag_columns,
     kfold_examples,
     label_list,
+    looks_like_tag,
     read_conll,
     read_csv,
     read_jsonl,
     read_ner_file,
     read_table_file,
+    read_text_sentences,
     split_examples,
+    subtoken_tags,
 )
 
 __all__ = [
@@ -25,8 +30,13 @@ __all__ = [
     "read_csv",
     "read_ner_file",
     "read_table_file",
+    "read_text_sentences",
+    "canonical_label",
     "check_labels",
+    "check_tag_columns",
     "label_list",
+    "looks_like_tag",
+    "subtoken_tags",
     "split_examples",
     "kfold_examples",
     "DEMO_PACKAGES",

@@ -1,11 +1,18 @@
-"""Line-numbered readers for CoNLL, JSON lines and CSV files, and label checks across splits."""
+"""Line-numbered readers for CoNLL, JSON lines, CSV and plain-text files, and label checks across splits.
+
+A reader refuses what it cannot read correctly (``DataError``, ``file:line: message``) rather than guess: an empty
+label, a CoNLL token holding a space, a CoNLL file with the tag first, a tag column that mixes ``B-``/``I-`` tags
+with words. Comment lines of CoNLL files (``# id ...`` as MultiCoNER and CoNLL-U write them) are skipped.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 import random
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -16,9 +23,14 @@ __all__ = [
     "read_csv",
     "read_ner_file",
     "read_table_file",
+    "read_text_sentences",
+    "canonical_label",
     "check_labels",
     "label_list",
     "split_examples",
+    "looks_like_tag",
+    "check_tag_columns",
+    "subtoken_tags",
 ]
 
 CONLL_SUFFIXES = (".conll", ".conllu", ".txt", ".tsv", ".iob", ".bio")
@@ -65,14 +77,61 @@ def _read_lines(path: str | Path) -> list[str]:
     return decoded
 
 
+# A tag of the IOB family (IOB1/IOB2, IOE, BIOES, BILOU): "O" or a one-letter prefix, a hyphen and a type.
+_TAG = re.compile(r"O|[BIESLU]-\S+")
+_PREFIXED_TAG = re.compile(r"[BIESLU]-\S+")
+
+
+def looks_like_tag(value: str) -> bool:
+    """Whether ``value`` reads as an IOB-family tag: ``O`` or ``B-``/``I-``/``E-``/``S-``/``L-``/``U-`` and a type."""
+    return _TAG.fullmatch(value) is not None
+
+
+def _columns(text: str) -> list[str]:
+    """The columns of a stripped CoNLL line: split on tabs when it has one, else on runs of whitespace."""
+    if "\t" in text:
+        return [column.strip() for column in text.split("\t")]
+    return text.split()
+
+
+def _is_comment_candidate(text: str) -> bool:
+    return text == "#" or (text.startswith("#") and text[1].isspace())
+
+
 def read_conll(path: str | Path) -> list[dict]:
     """Read a CoNLL file: token in the first column, tag in the last, a blank line between sentences.
 
-    Columns are separated by whitespace or tabs, so CoNLL-2003's four columns (token POS chunk NER) work. Lines that
-    start with ``-DOCSTART-`` are skipped. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the last
-    two being the line of the sentence's first token and of each tag (for error messages).
+    Columns are separated by tabs (when a line has one) or by whitespace, so CoNLL-2003's four columns (token POS
+    chunk NER) work; every line of a file has the same number of columns. Lines that start with ``-DOCSTART-`` are
+    skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a space and does not read
+    as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them, CoNLL-U's ``# text = ...``);
+    ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the
+    last two being the line of the sentence's first token and of each tag (for error messages).
+
+    Raises :class:`DataError` (``file:line``) on a token without a tag, a column holding a space (``New York<TAB>
+    B-LOC``: whitespace-separated readers would keep ``New``), a line with more or fewer columns than the file's
+    first, a comment line inside a sentence, a tag-first file and a tag column mixing IOB tags with other words
+    (see :func:`check_tag_columns`).
     """
+    lines = []  # (line number, stripped text); None for a sentence break
+    for number, line in enumerate(_read_lines(path), start=1):
+        text = line.strip()
+        lines.append(None if not text or text.split()[0] == "-DOCSTART-" else (number, text))
+    # The file's shape from its plain token lines: their column count and the tags they use.
+    plain = [_columns(entry[1]) for entry in lines if entry is not None and not _is_comment_candidate(entry[1])]
+    width = len(plain[0]) if plain else None
+    tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
+
+    def reads_as_token_line(columns: list[str]) -> bool:
+        return (
+            len(columns) == width
+            and len(columns) >= 2
+            and not any(_has_space(column) for column in columns)
+            and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
+        )
+
     examples, tokens, tags, tag_lines = [], [], [], []
+    first_line = None
 
     def flush():
         if tokens:
@@ -81,17 +140,42 @@ def read_conll(path: str | Path) -> list[dict]:
             )
             tokens.clear(), tags.clear(), tag_lines.clear()
 
-    for number, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
+    for entry in lines:
+        if entry is None:
             flush()
             continue
-        columns = line.split()
-        if columns[0] == "-DOCSTART-":
-            flush()
+        number, text = entry
+        columns = _columns(text)
+        if _is_comment_candidate(text) and not reads_as_token_line(columns):
+            if tokens:
+                raise DataError(
+                    path,
+                    number,
+                    f"comment line {_shorten(text)!r} inside a sentence; a comment goes before a sentence's first "
+                    "token (after a blank line)",
+                )
             continue
+        for k, column in enumerate(columns):
+            if _has_space(column):
+                what = "token" if k == 0 else "tag" if k == len(columns) - 1 else f"column {k + 1}"
+                raise DataError(
+                    path,
+                    number,
+                    f"{what} {column!r} holds a space, and whitespace separates the columns of a CoNLL file; write "
+                    "one word per line (or use JSON lines)",
+                )
         if len(columns) < 2:
             raise DataError(
                 path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
+            )
+        if first_line is None:
+            first_line = number
+        elif len(columns) != width:
+            raise DataError(
+                path,
+                number,
+                f"{len(columns)} columns where line {first_line} has {width}; every line of a CoNLL file has the same "
+                "columns (a token cannot hold a space)",
             )
         tokens.append(columns[0])
         tags.append(columns[-1])
@@ -99,7 +183,53 @@ def read_conll(path: str | Path) -> list[dict]:
     flush()
     if not examples:
         raise DataError(path, None, "empty file: no sentences")
+    check_tag_columns(examples, path)
     return examples
+
+
+def _has_space(text: str) -> bool:
+    return any(char.isspace() for char in text)
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_tag_columns(examples: Sequence[dict], path: str | Path) -> None:
+    """Refuse NER examples whose tags are not tags: a tag-first file, or IOB tags mixed with other words.
+
+    - Tag-first (``B-PER John``): every token reads as an IOB tag (:func:`looks_like_tag`) while some tag does not.
+    - A tag column with ``B-``/``I-``/... tags and a value that is neither ``O`` nor such a tag (a word, a stray
+      column): seqeval would score it as an entity type made of its letters.
+
+    Tag sets without prefixes (``PER``, ``O``) pass. Raises :class:`DataError` at the first offending tag's line.
+    """
+    pairs = [
+        (token, tag, line)
+        for ex in examples
+        for token, tag, line in zip(
+            ex["tokens"], ex["ner_tags"], ex.get("tag_lines") or [ex.get("line")] * len(ex["ner_tags"])
+        )
+    ]
+    if all(looks_like_tag(token) for token, _, _ in pairs):
+        for token, tag, line in pairs:
+            if not looks_like_tag(tag):
+                raise DataError(
+                    path,
+                    line,
+                    f"the tag {tag!r} reads as a word and its token {token!r} as a tag, as on every line: is the tag "
+                    "first? NER data has the token first and the tag last",
+                )
+    example = next((tag for _, tag, _ in pairs if _PREFIXED_TAG.fullmatch(tag)), None)
+    if example is not None:
+        for _, tag, line in pairs:
+            if not looks_like_tag(tag):
+                raise DataError(
+                    path,
+                    line,
+                    f"tag {tag!r} is neither 'O' nor a prefixed tag like the file's {example!r}; the tag goes last "
+                    "and every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'",
+                )
 
 
 def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
@@ -123,8 +253,11 @@ def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
     return examples
 
 
-def read_csv(path: str | Path, fields: Sequence[str]) -> list[dict]:
-    """Read a CSV file with a header row holding the given columns; each example also gets its ``line``."""
+def read_csv(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict]:
+    """Read a CSV file with a header row holding the given columns; each example also gets its ``line``.
+
+    A column in ``nonempty`` (e.g. the label) must hold more than whitespace in every row.
+    """
     lines = _read_lines(path)
     if not lines:
         raise DataError(path, None, "empty file: no header row")
@@ -140,6 +273,9 @@ def read_csv(path: str | Path, fields: Sequence[str]) -> list[dict]:
             empty = [name for name in fields if row.get(name) is None]
             if empty:
                 raise DataError(path, number, f"row has no value for column {empty[0]!r}")
+            blank = [name for name in nonempty if not row[name].strip()]
+            if blank:
+                raise DataError(path, number, f"empty value in column {blank[0]!r}")
             examples.append({**{name: row[name] for name in fields}, "line": number})
     except csv.Error as err:
         raise DataError(path, reader.line_num, f"not valid CSV ({err})") from None
@@ -148,33 +284,81 @@ def read_csv(path: str | Path, fields: Sequence[str]) -> list[dict]:
     return examples
 
 
-def read_ner_file(path: str | Path, tokens_field: str = "tokens", tags_field: str = "ner_tags") -> list[dict]:
-    """Read NER examples from CoNLL or JSON lines (by suffix), as ``{"tokens", "ner_tags", "line", "tag_lines"}``."""
+def read_ner_file(
+    path: str | Path,
+    tokens_field: str = "tokens",
+    tags_field: str = "ner_tags",
+    label_names: Sequence[str] | None = None,
+) -> list[dict]:
+    """Read NER examples from CoNLL or JSON lines (by suffix), as ``{"tokens", "ner_tags", "line", "tag_lines"}``.
+
+    Tags are strings, or with ``label_names`` (the Hub's ``ClassLabel`` convention) integer ids: id ``i`` is
+    ``label_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
+    JSON integer tags without ``label_names``, an id out of range and an empty tag raise :class:`DataError`.
+    """
     suffix = Path(path).suffix.lower()
     if suffix not in JSONL_SUFFIXES:
-        return read_conll(path)
-    examples = read_jsonl(path, [tokens_field, tags_field])
-    out = []
-    for ex in examples:
-        tokens, tags, line = ex[tokens_field], ex[tags_field], ex["line"]
-        for name, value in ((tokens_field, tokens), (tags_field, tags)):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise DataError(path, line, f"field {name!r} must be a list of strings")
-        if len(tokens) != len(tags):
-            raise DataError(
-                path, line, f"{len(tokens)} {tokens_field} but {len(tags)} {tags_field}; they must be the same length"
-            )
-        if not tokens:
-            raise DataError(path, line, f"field {tokens_field!r} is empty")
-        out.append({"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)})
-    return out
+        examples = read_conll(path)
+    else:
+        examples = []
+        for ex in read_jsonl(path, [tokens_field, tags_field]):
+            tokens, tags, line = ex[tokens_field], ex[tags_field], ex["line"]
+            if not isinstance(tokens, list) or not all(isinstance(v, str) for v in tokens):
+                raise DataError(path, line, f"field {tokens_field!r} must be a list of strings")
+            if not isinstance(tags, list) or not all(isinstance(v, str) or _is_int(v) for v in tags):
+                raise DataError(path, line, f"field {tags_field!r} must be a list of strings (or of integer ids)")
+            if len(tokens) != len(tags):
+                raise DataError(
+                    path,
+                    line,
+                    f"{len(tokens)} {tokens_field} but {len(tags)} {tags_field}; they must be the same length",
+                )
+            if not tokens:
+                raise DataError(path, line, f"field {tokens_field!r} is empty")
+            if label_names is None and any(_is_int(v) for v in tags):
+                raise DataError(
+                    path,
+                    line,
+                    f"field {tags_field!r} holds integer ids; give the tag of each id in order with --label_names "
+                    "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)",
+                )
+            if any(isinstance(v, str) and not v.strip() for v in tags):
+                raise DataError(path, line, f"field {tags_field!r} holds an empty tag")
+            examples.append({"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)})
+    if label_names is not None:
+        names = list(label_names)
+        for ex in examples:
+            ex["ner_tags"] = [_tag_name(tag, names, path, line) for tag, line in zip(ex["ner_tags"], ex["tag_lines"])]
+    if suffix in JSONL_SUFFIXES:
+        check_tag_columns(examples, path)
+    return examples
 
 
-def read_table_file(path: str | Path, fields: Sequence[str]) -> list[dict]:
-    """Read CSV or JSON lines (by suffix) with the given fields; values become strings."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tag_name(tag, names: list[str], path, line) -> str:
+    """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays."""
+    if isinstance(tag, str) and tag in names:
+        return tag
+    if _is_int(tag) or (isinstance(tag, str) and tag.isdigit() and tag.isascii()):
+        if 0 <= int(tag) < len(names):
+            return names[int(tag)]
+        raise DataError(
+            path, line, f"tag id {tag} is out of range: --label_names has {len(names)} names (ids 0..{len(names) - 1})"
+        )
+    raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --label_names {names}")
+
+
+def read_table_file(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict]:
+    """Read CSV or JSON lines (by suffix) with the given fields; values become strings.
+
+    A field in ``nonempty`` (e.g. the label) must hold more than whitespace in every record.
+    """
     suffix = Path(path).suffix.lower()
     if suffix in CSV_SUFFIXES:
-        return read_csv(path, fields)
+        return read_csv(path, fields, nonempty)
     if suffix in JSONL_SUFFIXES:
         examples = read_jsonl(path, fields)
         for ex in examples:
@@ -183,32 +367,120 @@ def read_table_file(path: str | Path, fields: Sequence[str]) -> list[dict]:
                 if isinstance(value, bool) or not isinstance(value, str | int | float):
                     raise DataError(path, ex["line"], f"field {name!r} must be a string or a number, got {value!r}")
                 ex[name] = str(value)
+                if name in nonempty and not ex[name].strip():
+                    raise DataError(path, ex["line"], f"field {name!r} is empty")
         return examples
     raise DataError(path, None, f"unknown file type {suffix!r}; use .csv, .json or .jsonl (JSON lines)")
 
 
+def read_text_sentences(path: str | Path) -> list[dict]:
+    """Read plain text, one sentence per line, into ``{"tokens", "line"}``: the line's words split on whitespace.
+
+    Blank lines are skipped. A file that reads as CoNLL instead (every line a single word, as in one word per line;
+    or every line ending in a tag such as ``O`` / ``B-PER``) raises :class:`DataError`: name such a file ``.conll``.
+    """
+    examples = [
+        {"tokens": line.split(), "line": number}
+        for number, line in enumerate(_read_lines(path), start=1)
+        if line.strip()
+    ]
+    if not examples:
+        raise DataError(path, None, "empty file: no sentences")
+    if len(examples) > 1 and all(len(ex["tokens"]) == 1 for ex in examples):
+        raise DataError(
+            path,
+            None,
+            "every line holds a single word, as in one word per line (CoNLL); a .txt file holds one sentence per "
+            "line: rename a one-word-per-line file to .conll",
+        )
+    if all(len(ex["tokens"]) >= 2 and looks_like_tag(ex["tokens"][-1]) for ex in examples):
+        raise DataError(
+            path,
+            examples[0]["line"],
+            f"every line ends in a tag ({examples[0]['tokens'][-1]!r}), as in CoNLL 'token tag'; a .txt file holds "
+            "one sentence per line: rename a CoNLL file to .conll",
+        )
+    return examples
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def canonical_label(value) -> str:
+    """A label as the string every spelling of it maps to: numbers compare as numbers, anything else is itself.
+
+    ``1``, ``1.0``, ``"1.0"`` and ``" 1 "`` all become ``"1"``; ``0.5`` becomes ``"0.5"``; ``"pos"`` stays ``"pos"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return str(value)
+    text = str(value).strip()
+    if not _NUMBER.fullmatch(text):
+        return str(value)
+    number = float(text)
+    if not math.isfinite(number):
+        return str(value)
+    if number.is_integer():
+        return str(int(number))
+    return repr(number)
+
+
+def _is_number(label: str) -> bool:
+    return _NUMBER.fullmatch(label) is not None
+
+
 def label_list(examples: Iterable[dict], key: str) -> list[str]:
-    """The sorted set of labels under ``key`` (a label or a list of tags per example)."""
+    """The labels under ``key`` (a label or a list of tags per example), each once, in :func:`canonical_label` form.
+
+    Numeric labels are sorted as numbers (labels ``0..K-1`` give label ``i`` the id ``i``; ``2`` before ``10``),
+    other label sets as strings.
+    """
     labels = set()
     for ex in examples:
         value = ex[key]
-        labels.update(value if isinstance(value, list) else [value])
+        labels.update(canonical_label(v) for v in (value if isinstance(value, list) else [value]))
+    if labels and all(_is_number(label) for label in labels):
+        return sorted(labels, key=float)
     return sorted(labels)
 
 
 def check_labels(examples: Iterable[dict], key: str, known: Iterable[str], path: str | Path) -> None:
-    """Raise a :class:`DataError` at the first label under ``key`` that is not in ``known`` (the training labels)."""
-    known = set(known)
+    """Raise a :class:`DataError` at the first label under ``key`` that is not in ``known`` (the training labels).
+
+    Labels are compared in :func:`canonical_label` form, so ``1`` in a test file matches ``1.0`` in training.
+    """
+    known = list(known)
+    canonical = {canonical_label(label) for label in known}
     for ex in examples:
         value = ex[key]
         if isinstance(value, list):
             for tag, line in zip(value, ex.get("tag_lines") or [ex.get("line")] * len(value)):
-                if tag not in known:
-                    raise DataError(path, line, f"label {tag!r} does not occur in the training data {sorted(known)}")
-        elif value not in known:
-            raise DataError(
-                path, ex.get("line"), f"label {value!r} does not occur in the training data {sorted(known)}"
-            )
+                if canonical_label(tag) not in canonical:
+                    raise DataError(path, line, f"label {tag!r} does not occur in the training data {known}")
+        elif canonical_label(value) not in canonical:
+            raise DataError(path, ex.get("line"), f"label {value!r} does not occur in the training data {known}")
+
+
+def subtoken_tags(tag: str, n: int) -> list[str]:
+    """The tags of a word's ``n`` sub-tokens that keep its tag's scheme (for ``--label_all_tokens``).
+
+    The word's span stays one entity with the same boundaries: ``B-X`` gives ``B-X I-X ...``; ``I-X`` gives ``I-X``
+    everywhere; BIOES ``S-X`` gives ``B-X I-X ... E-X`` and ``E-X`` gives ``I-X ... E-X``; BILOU ``U-X`` gives
+    ``B-X I-X ... L-X`` and ``L-X`` gives ``I-X ... L-X``. ``O`` and tags without a prefix repeat. One sub-token keeps
+    the tag itself.
+    """
+    if n < 1:
+        return []
+    if n == 1 or not _PREFIXED_TAG.fullmatch(tag):
+        return [tag] * n
+    prefix, kind = tag[0], tag[2:]
+    inside = f"I-{kind}"
+    if prefix == "B":
+        return [tag] + [inside] * (n - 1)
+    if prefix in "SU":
+        return [f"B-{kind}"] + [inside] * (n - 2) + [f"{'E' if prefix == 'S' else 'L'}-{kind}"]
+    if prefix in "EL":
+        return [inside] * (n - 1) + [tag]
+    return [tag] * n  # I-
 
 
 def split_examples(
