@@ -102,14 +102,14 @@ def read_conll(path: str | Path) -> list[dict]:
     """Read a CoNLL file: token in the first column, tag in the last, a blank line between sentences.
 
     Columns are separated by tabs (when a line has one) or by whitespace, so CoNLL-2003's four columns (token POS
-    chunk NER) work; every line of a file has the same number of columns. Lines that start with ``-DOCSTART-`` are
+    chunk NER) work; every line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
     skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a space and does not read
     as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them, CoNLL-U's ``# text = ...``);
     ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the
     last two being the line of the sentence's first token and of each tag (for error messages).
 
     Raises :class:`DataError` (``file:line``) on a token without a tag, a column holding a space (``New York<TAB>
-    B-LOC``: whitespace-separated readers would keep ``New``), a line with more or fewer columns than the file's
+    B-LOC``: whitespace-separated readers would keep ``New``), a line with more or fewer columns than its sentence's
     first, a comment line inside a sentence, a tag-first file and a tag column mixing IOB tags with other words
     (see :func:`check_tag_columns`).
     """
@@ -117,21 +117,21 @@ def read_conll(path: str | Path) -> list[dict]:
     for number, line in enumerate(_read_lines(path), start=1):
         text = line.strip()
         lines.append(None if not text or text.split()[0] == "-DOCSTART-" else (number, text))
-    # The file's shape from its plain token lines: their column count and the tags they use.
+    # The file's shape from its plain token lines: their column counts and the tags they use.
     plain = [_columns(entry[1]) for entry in lines if entry is not None and not _is_comment_candidate(entry[1])]
-    width = len(plain[0]) if plain else None
+    widths = {len(columns) for columns in plain}
     tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
 
     def reads_as_token_line(columns: list[str]) -> bool:
         return (
-            len(columns) == width
+            len(columns) in widths
             and len(columns) >= 2
             and not any(_has_space(column) for column in columns)
             and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
         )
 
     examples, tokens, tags, tag_lines = [], [], [], []
-    first_line = None
+    sentence_width = None
 
     def flush():
         if tokens:
@@ -168,15 +168,14 @@ def read_conll(path: str | Path) -> list[dict]:
             raise DataError(
                 path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
             )
-        if first_line is None:
-            first_line = number
-        elif len(columns) != width:
+        if tokens and len(columns) != sentence_width:
             raise DataError(
                 path,
                 number,
-                f"{len(columns)} columns where line {first_line} has {width}; every line of a CoNLL file has the same "
-                "columns (a token cannot hold a space)",
+                f"{len(columns)} columns where line {tag_lines[0]} has {sentence_width}; every line of a sentence has "
+                "the same columns (a token cannot hold a space)",
             )
+        sentence_width = len(columns)
         tokens.append(columns[0])
         tags.append(columns[-1])
         tag_lines.append(number)
