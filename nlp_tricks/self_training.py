@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .data import DataError, read_table_file
-from .data.readers import JSONL_SUFFIXES, _read_lines, read_jsonl
+from .data import DataError, read_conll_tokens, read_table_file, read_text_sentences
+from .data.readers import JSONL_SUFFIXES, read_jsonl
 from .outputs import output_logits
 
 __all__ = [
@@ -286,16 +286,22 @@ class TeacherLogitsCollator:
 def read_unlabeled_file(path: str | Path, task: str, column: str) -> list[dict]:
     """Read unlabelled data: ``{"text", "line"}`` (classification) or ``{"tokens", "line"}`` (NER).
 
-    Classification: CSV (header row) or JSON lines with the text ``column``. NER: JSON lines with a ``column`` list
-    of words, or CoNLL-style text: one word per line in the first column (any other column, e.g. a gold tag, is
-    ignored), a blank line between sentences, ``-DOCSTART-`` lines skipped. Problems raise
-    :class:`~nlp_tricks.data.DataError` (``file:line: message``).
+    Classification: CSV (header row) or JSON lines with the text ``column``. NER, by the file's suffix: ``.txt`` is
+    plain text, one sentence per line, its words split on whitespace (:func:`~nlp_tricks.data.read_text_sentences`,
+    which refuses a ``.txt`` that reads as CoNLL); ``.jsonl`` / ``.json`` are JSON lines with a ``column`` list of
+    words; anything else (``.conll``, ``.tsv``, ...) is CoNLL-style text, one word per line in the first column (any
+    other column, e.g. a gold tag, is ignored), a blank line between sentences
+    (:func:`~nlp_tricks.data.read_conll_tokens`). Problems raise :class:`~nlp_tricks.data.DataError`
+    (``file:line: message``).
     """
     if task == "classification":
         return [{"text": ex[column], "line": ex["line"]} for ex in read_table_file(path, [column])]
     if task != "ner":
         raise ValueError(f"task={task!r} is not allowed; choose 'ner' or 'classification'")
-    if Path(path).suffix.lower() in JSONL_SUFFIXES:
+    suffix = Path(path).suffix.lower()
+    if suffix == ".txt":
+        return read_text_sentences(path)
+    if suffix in JSONL_SUFFIXES:
         examples = []
         for ex in read_jsonl(path, [column]):
             tokens = ex[column]
@@ -303,19 +309,4 @@ def read_unlabeled_file(path: str | Path, task: str, column: str) -> list[dict]:
                 raise DataError(path, ex["line"], f"field {column!r} must be a non-empty list of strings")
             examples.append({"tokens": tokens, "line": ex["line"]})
         return examples
-    examples, tokens, first_line = [], [], None
-    for number, line in enumerate(_read_lines(path), start=1):
-        columns = line.split()
-        if not columns or columns[0] == "-DOCSTART-":
-            if tokens:
-                examples.append({"tokens": tokens, "line": first_line})
-            tokens = []
-            continue
-        if not tokens:
-            first_line = number
-        tokens.append(columns[0])
-    if tokens:
-        examples.append({"tokens": tokens, "line": first_line})
-    if not examples:
-        raise DataError(path, None, "empty file: no sentences")
-    return examples
+    return read_conll_tokens(path)

@@ -36,19 +36,23 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import demo_classification, read_table_file
+from nlp_tricks.data import canonical_label, demo_classification, read_table_file
 from nlp_tricks.metrics import load_metric
 
 from common import (
     DataArguments,
     ModelArguments,
     check_label_arguments,
+    data_record,
     labelled_splits,
     load_classifier,
     load_splits,
     parse_recipe_args,
+    prepare_output_dir,
+    resume_argument,
     run_recipe,
     train_evaluate_predict,
+    warn,
 )
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
@@ -94,14 +98,17 @@ def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
     columns = [data.text_column, data.label_column]
 
     def read_file(path):
-        examples = read_table_file(path, columns)
-        return [{"text": ex[data.text_column], "label": ex[data.label_column], "line": ex["line"]} for ex in examples]
+        examples = read_table_file(path, columns, nonempty=[data.label_column])
+        return [
+            {"text": ex[data.text_column], "label": canonical_label(ex[data.label_column]), "line": ex["line"]}
+            for ex in examples
+        ]
 
     def hub_converter(features):
         names = getattr(features[data.label_column], "names", None)
         return lambda row: {
             "text": row[data.text_column],
-            "label": names[row[data.label_column]] if names else str(row[data.label_column]),
+            "label": names[row[data.label_column]] if names else canonical_label(row[data.label_column]),
             "line": None,
         }
 
@@ -112,6 +119,26 @@ def tokenize_classification(examples: list[dict], tokenizer, label2id: dict, max
     """Tokenize texts (truncated to ``max_seq_length``) with their label ids."""
     encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
     return Dataset.from_dict({**encodings, "labels": [label2id[ex["label"]] for ex in examples]})
+
+
+def truncated_texts(texts: list[str], tokenizer, max_length: int) -> int:
+    """How many of ``texts`` are longer than ``max_length`` tokens (the model sees only their beginning)."""
+    lengths = tokenizer(texts, truncation=False, verbose=False, return_length=True)["length"]
+    return sum(length > max_length for length in lengths)
+
+
+def classification_truncation_record(splits: dict[str, list[dict]], tokenizer, max_seq_length: int) -> dict:
+    """``<prefix>_truncated_examples`` of each split for ``all_results.json``; a warning for validation / test."""
+    record = {}
+    for split, examples in splits.items():
+        count = truncated_texts([ex["text"] for ex in examples], tokenizer, max_seq_length)
+        record[f"{'eval' if split == 'validation' else split}_truncated_examples"] = count
+        if count and split != "train":
+            warn(
+                f"{split}: {count} of {len(examples)} texts are longer than --max_seq_length {max_seq_length} "
+                "tokens; the model sees their beginning only"
+            )
+    return record
 
 
 def classification_compute_metrics(num_labels: int) -> Callable:
@@ -131,7 +158,8 @@ def classification_compute_metrics(num_labels: int) -> Callable:
 
 
 def write_predictions(path: Path, examples: list[dict], predictions, id2label) -> None:
-    """A CSV with the gold label, the predicted label and the text of every test example."""
+    """A CSV with the gold label (as the model's label names write it), the predicted label and the text of every
+    test example."""
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["label", "predicted", "text"])
@@ -144,9 +172,13 @@ def main() -> None:
         (ClassificationDataArguments, ModelArguments, TricksArguments), "classification", RECIPE_DEFAULTS
     )
     set_seed(training_args.seed)
+    prepare_output_dir(
+        training_args.output_dir, data_args.overwrite_output_dir, resume_argument(training_args.resume_from_checkpoint)
+    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    labels, train_examples, eval_examples = labelled_splits(load_classification_splits(data_args), "label", data_args)
+    splits = load_classification_splits(data_args)
+    labels, train_examples, eval_examples = labelled_splits(splits, "label", data_args)
     check_label_arguments(training_args, labels)
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
@@ -176,13 +208,20 @@ def main() -> None:
 
     # ---- Train, evaluate, predict; all_results.json last ----
     output_dir = Path(training_args.output_dir)
+    record = {
+        **data_record(splits, labels),
+        **classification_truncation_record(
+            {"train": train_examples, **eval_examples}, tokenizer, data_args.max_seq_length
+        ),
+    }
     train_evaluate_predict(
         trainer,
         train_dataset,
         eval_datasets,
-        lambda predictions: write_predictions(
-            output_dir / "test_predictions.csv", eval_examples["test"], predictions, id2label
+        lambda output: write_predictions(
+            output_dir / "test_predictions.csv", eval_examples["test"], output.predictions, id2label
         ),
+        record=record,
     )
 
 

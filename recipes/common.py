@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.resume import get_last_complete_checkpoint
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+logger = logging.getLogger("nlp_tricks.recipes")
 
 
 # ---- Arguments ----------------------------------------------------------------------------------------------------
@@ -57,6 +61,14 @@ class DataArguments:
         },
     )
     fold: int | None = field(default=None, metadata={"help": "The test fold of --num_folds, 0 to N - 1."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace the results of an earlier run in --output_dir (its model, all_results.json, "
+            "predictions, checkpoints): they are removed before this run starts. Without it a run refuses an "
+            "--output_dir that holds results, so no file of an earlier run is left beside this run's."
+        },
+    )
 
     def __post_init__(self):
         if (self.num_folds is None) != (self.fold is None):
@@ -300,11 +312,14 @@ def eval_splits(splits: dict[str, tuple[list[dict], str]], max_samples: int | No
     return {split: splits[split][0][:max_samples] for split in ("validation", "test") if splits.get(split, ([],))[0]}
 
 
-def labelled_splits(splits: dict[str, tuple[list[dict], str]], label_key: str, data: DataArguments):
-    """``(labels, train_examples, eval_examples)``: the label list of the whole training split, every validation /
-    test label checked against it (an unseen one is a ``file:line`` error), and the splits cut to
-    ``--max_train_samples`` / ``--max_eval_samples``."""
-    labels = label_list(splits.get("all", splits["train"])[0], label_key)
+def labelled_splits(
+    splits: dict[str, tuple[list[dict], str]], label_key: str, data: DataArguments, labels: list[str] | None = None
+):
+    """``(labels, train_examples, eval_examples)``: the label list (``labels`` when given, else the labels of the
+    whole training split, numbers in numeric order), every validation / test label checked against it (an unseen
+    one is a ``file:line`` error), and the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
+    if labels is None:
+        labels = label_list(splits.get("all", splits["train"])[0], label_key)
     if len(labels) < 2:
         raise DataError(
             splits["train"][1], None, f"only one label ({labels[0]!r}) in the training data; a classifier needs two"
@@ -416,6 +431,95 @@ def load_weights(
         )
 
 
+# ---- Output folder ------------------------------------------------------------------------------------------------
+
+# What a recipe run writes into --output_dir (glob patterns): the Trainer's model, tokenizer and state files, the
+# recipes' results and predictions, checkpoints, and self-training's rounds.
+RUN_OUTPUTS = (
+    "all_results.json",
+    "test_predictions.*",
+    "self_training_results.json",
+    "round_*",
+    "trainer_state.json",
+    "training_args.bin",
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.*",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "checkpoint-*",
+)
+# Of those, the ones that make a folder hold results: an earlier run's numbers, predictions, model or checkpoints.
+RESULT_OUTPUTS = (
+    "all_results.json",
+    "test_predictions.*",
+    "self_training_results.json",
+    "round_*",
+    "trainer_state.json",
+    "model*.safetensors",
+    "pytorch_model*.bin",
+    "adapter_model.*",
+    "checkpoint-*",
+)
+
+
+def _matches(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
+    return sorted({path for pattern in patterns for path in folder.glob(pattern)})
+
+
+def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: str | bool | None = None) -> None:
+    """Make sure no file of an earlier run can be read as this run's.
+
+    A folder holding an earlier run's results (``RESULT_OUTPUTS``) is refused with a :class:`DataError` (one line,
+    exit 1) unless ``overwrite`` (``--overwrite_output_dir``): then everything a run writes (``RUN_OUTPUTS``) is
+    removed before the run starts, and nothing else (your own files stay). ``resume``
+    (``--resume_from_checkpoint``) continues the run in the folder: its checkpoints stay and its earlier results
+    are removed without asking. Only the main process removes; every process checks.
+    """
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return
+    keep_checkpoints = bool(resume)
+    results = [
+        p for p in _matches(folder, RESULT_OUTPUTS) if not (keep_checkpoints and p.name.startswith("checkpoint-"))
+    ]
+    if not results:
+        return
+    if not overwrite and not resume:
+        names = ", ".join(p.name for p in results[:3]) + (", ..." if len(results) > 3 else "")
+        only_checkpoints = all(p.name.startswith("checkpoint-") for p in results)
+        hint = " (or --resume_from_checkpoint true to continue it)" if only_checkpoints else ""
+        raise DataError(
+            folder,
+            None,
+            f"holds the results of an earlier run ({names}); give --overwrite_output_dir to replace them, or "
+            f"another --output_dir{hint}",
+        )
+    if not is_main_process():
+        return
+    for path in _matches(folder, RUN_OUTPUTS):
+        if keep_checkpoints and path.name.startswith("checkpoint-"):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    logger.warning("%s: removed the outputs of an earlier run (%s)", folder, "resumed" if resume else "overwritten")
+
+
 # ---- The end of a run ---------------------------------------------------------------------------------------------
 
 
@@ -431,11 +535,17 @@ def train_evaluate_predict(
     train_dataset,
     eval_datasets: dict,
     write_test_predictions: Callable[[object], None] | None = None,
+    split_metrics: dict[str, Callable] | None = None,
+    record: dict | None = None,
 ) -> dict:
     """The end of every recipe: train (``--resume_from_checkpoint`` honoured; skipped with ``--do_train false``), save
-    the model and the Trainer state,
-    evaluate on validation, predict on test (``write_test_predictions(predictions)`` on rank 0), then write
-    ``all_results.json`` once, atomically, on rank 0. Returns the results.
+    the model and the Trainer state, evaluate on validation, predict on test (``write_test_predictions(output)`` on
+    rank 0, with the ``PredictionOutput``), then write ``all_results.json`` once, atomically, on rank 0. Returns the
+    results.
+
+    ``split_metrics`` gives each split its own ``compute_metrics`` (the Trainer's is swapped in before that split
+    is scored), for metrics that need the split's own data: every word of an NER sentence, the full reference
+    summaries. ``record`` is stored in ``all_results.json`` as it is (data files, label list, truncation counts).
     """
     args = trainer.args
     results = {}
@@ -454,18 +564,40 @@ def train_evaluate_predict(
         results.update(train_result.metrics)
         results["train_samples"] = len(train_dataset)
     if "validation" in eval_datasets:
-        results.update(trainer.evaluate())
+        if split_metrics and "validation" in split_metrics:
+            trainer.compute_metrics = split_metrics["validation"]
+        results.update(trainer.evaluate(eval_datasets["validation"]))
         results["eval_samples"] = len(eval_datasets["validation"])
     if "test" in eval_datasets:
+        if split_metrics and "test" in split_metrics:
+            trainer.compute_metrics = split_metrics["test"]
         output = trainer.predict(eval_datasets["test"], metric_key_prefix="test")
         results.update(output.metrics)
         results["test_samples"] = len(eval_datasets["test"])
         if trainer.is_world_process_zero() and write_test_predictions is not None:
-            write_test_predictions(output.predictions)
+            write_test_predictions(output)
+    record = record or {}
+    results.update({key: value for key, value in record.items() if isinstance(value, int | float)})
     trainer.log_metrics("all", results)
+    results.update(record)
     if trainer.is_world_process_zero():
         write_json_atomic(Path(args.output_dir) / "all_results.json", results)
     return results
+
+
+def data_record(splits: dict[str, tuple[list[dict], str]], labels: list[str] | None = None) -> dict:
+    """What ``all_results.json`` records about the data: each split's source (file, demo or Hub split) and the
+    label list in id order (``labels[i]`` is class ``i``)."""
+    record = {"data_files": {split: source for split, (_, source) in splits.items() if split != "all"}}
+    if labels is not None:
+        record["label_list"] = list(labels)
+    return record
+
+
+def warn(message: str) -> None:
+    """A warning on the main process only (a launched job with N processes shows it once)."""
+    if is_main_process():
+        logger.warning(message)
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:

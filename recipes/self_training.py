@@ -15,8 +15,9 @@ Features:
 
 - ``--task ner|classification``: the data flags, readers, tokenization and metrics are those of ``recipes/ner.py``
   and ``recipes/classification.py`` (``--dataset_name demo`` by default: WNUT-16 tweets / BBC News).
-- Unlabelled data: ``--unlabeled_file`` (classification: CSV / JSON lines with ``--text_column``; NER: JSON lines
-  with ``--tokens_column`` or one word per line, first column, blank line between sentences), or
+- Unlabelled data: ``--unlabeled_file`` (classification: CSV / JSON lines with ``--text_column``; NER: plain text
+  ``.txt``, one sentence per line, words split on whitespace; JSON lines with ``--tokens_column``; or CoNLL style
+  ``.conll`` / ``.tsv`` / ..., one word per line in the first column, blank line between sentences), or
   ``--unlabeled_fraction F``: that share of the training split is held out and its labels removed (used only to
   report the pseudo-labels' accuracy, never to train). Labels are those of the whole training split.
 - ``--confidence_threshold``: pseudo-labels below it are dropped. A text's confidence is the teacher's largest
@@ -73,11 +74,19 @@ from common import (
     labelled_splits,
     load_classifier,
     parse_recipe_args,
+    prepare_output_dir,
     resolve_model_path,
     run_recipe,
     write_json_atomic,
 )
-from ner import NerDataArguments, load_ner_splits, ner_compute_metrics, prepare_ner_tokenizer, tokenize_ner
+from ner import (
+    NerDataArguments,
+    load_ner_splits,
+    ner_compute_metrics,
+    ner_eval_set,
+    prepare_ner_tokenizer,
+    tokenize_ner,
+)
 
 # Those of recipes/ner.py and recipes/classification.py, but no evaluation during training: each stage is scored
 # once at its end.
@@ -203,7 +212,7 @@ def setup_data(data: SelfTrainingDataArguments) -> dict:
     ner = data.task == "ner"
     splits = load_ner_splits(data) if ner else load_classification_splits(data)
     label_key = "ner_tags" if ner else "label"
-    labels, train, eval_examples = labelled_splits(splits, label_key, data)
+    labels, train, eval_examples = labelled_splits(splits, label_key, data, data.tag_names if ner else None)
     hidden_gold = None
     if data.unlabeled_file:
         labelled = train
@@ -267,24 +276,27 @@ def build_model(task: str, model_path: str, model_args: SelfTrainingModelArgumen
     return model, tokenizer
 
 
-def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, training_args, output_dir, labels):
+def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, training_args, output_dir, labels):
     """Train one stage (teacher or student), save it; return the trained model, the job's accelerator and the
-    validation / test metrics (the trainer, with its optimizer state, is let go)."""
+    validation / test metrics (the trainer, with its optimizer state, is let go). ``eval_sets``: per split, the
+    ``NerEvalSet`` (NER: every word is scored) or the tokenized dataset (classification)."""
     args = copy.deepcopy(training_args)
     args.output_dir = str(output_dir)
     if task == "ner":
         collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)
-        compute_metrics = ner_compute_metrics(dict(enumerate(labels)))
+        id2label = dict(enumerate(labels))
+        split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
+        eval_datasets = {split: eval_set.dataset for split, eval_set in eval_sets.items()}
     else:
         collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-        compute_metrics = classification_compute_metrics(len(labels))
+        split_metrics = dict.fromkeys(eval_sets, classification_compute_metrics(len(labels)))
+        eval_datasets = eval_sets
     trainer = TricksTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
         data_collator=TeacherLogitsCollator(collator, tokenizer.padding_side),
-        compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
     train_result = trainer.train()
@@ -292,6 +304,7 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_datasets, tra
     metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
     for split, prefix in (("validation", "eval"), ("test", "test")):
         if split in eval_datasets:
+            trainer.compute_metrics = split_metrics[split]
             metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
     return trainer.model, trainer.accelerator, metrics
 
@@ -409,7 +422,12 @@ def train_teacher(task, data, data_args, model_args, training_args, out: Path) -
 
 
 def eval_sets(task, data, tokenizer, label2id, data_args) -> dict:
-    """The validation / test sets, tokenized for scoring (first sub-tokens only for NER)."""
+    """The validation / test sets, tokenized for scoring (NER: every word, first sub-tokens carry the labels)."""
+    if task == "ner":
+        return {
+            split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length)
+            for split, examples in data["eval"].items()
+        }
     return {
         split: tokenize(task, examples, tokenizer, label2id, data_args, train=False)
         for split, examples in data["eval"].items()
@@ -472,6 +490,7 @@ def main() -> None:
     task = data_args.task
     set_seed(training_args.seed)
     out = Path(training_args.output_dir)
+    prepare_output_dir(out, data_args.overwrite_output_dir)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     data = setup_data(data_args)

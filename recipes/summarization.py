@@ -57,12 +57,16 @@ from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie
 from common import (
     DataArguments,
     ModelArguments,
+    data_record,
     eval_splits,
     load_splits,
     parse_recipe_args,
+    prepare_output_dir,
     resolve_model_path,
+    resume_argument,
     run_recipe,
     train_evaluate_predict,
+    warn,
 )
 
 # Tuned on the demo (ACLSum + BERT2BERT MiniLM, 2-core CPU); every one is a flag.
@@ -106,7 +110,12 @@ class SummarizationDataArguments(DataArguments):
     summary_column: str = field(default="summary", metadata={"help": "Column / field of the summary."})
     source_prefix: str = field(default="", metadata={"help": "Text put before every document (T5: 'summarize: ')."})
     max_source_length: int = field(default=256, metadata={"help": "Document tokens kept (the rest is truncated)."})
-    max_target_length: int = field(default=128, metadata={"help": "Summary tokens kept for training."})
+    max_target_length: int = field(
+        default=128,
+        metadata={
+            "help": "Summary tokens kept for training (ROUGE always scores against the full reference summaries)."
+        },
+    )
 
 
 @dataclass
@@ -139,7 +148,8 @@ def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tup
 
     def read_file(path):
         return [
-            {"text": ex[data.text_column], "summary": ex[data.summary_column]} for ex in read_table_file(path, columns)
+            {"text": ex[data.text_column], "summary": ex[data.summary_column]}
+            for ex in read_table_file(path, columns, nonempty=[data.summary_column])
         ]
 
     def hub_converter(features):
@@ -193,6 +203,30 @@ def tokenize(
     return Dataset.from_dict({**encodings, "labels": targets})
 
 
+def summarization_truncation_record(splits: dict[str, list[dict]], tokenizer, data) -> dict:
+    """For ``all_results.json``: per split, the documents longer than ``--max_source_length``
+    (``<prefix>_truncated_examples``) and the summaries longer than ``--max_target_length``
+    (``<prefix>_truncated_summaries``: cut for training only; ROUGE uses the full references). A warning for
+    validation / test documents the model sees only in part."""
+    record = {}
+    for split, examples in splits.items():
+        prefix = "eval" if split == "validation" else split
+        documents = tokenizer(
+            [data.source_prefix + ex["text"] for ex in examples], truncation=False, verbose=False, return_length=True
+        )["length"]
+        summaries = tokenizer(
+            text_target=[ex["summary"] for ex in examples], truncation=False, verbose=False, return_length=True
+        )["length"]
+        record[f"{prefix}_truncated_examples"] = sum(n > data.max_source_length for n in documents)
+        record[f"{prefix}_truncated_summaries"] = sum(n > data.max_target_length for n in summaries)
+        if record[f"{prefix}_truncated_examples"] and split != "train":
+            warn(
+                f"{split}: {record[f'{prefix}_truncated_examples']} of {len(examples)} documents are longer than "
+                f"--max_source_length {data.max_source_length} tokens; the model sees their beginning only"
+            )
+    return record
+
+
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
         (SummarizationDataArguments, SummarizationModelArguments, Seq2SeqTricksArguments),
@@ -200,6 +234,9 @@ def main() -> None:
         RECIPE_DEFAULTS,
     )
     set_seed(training_args.seed)
+    prepare_output_dir(
+        training_args.output_dir, data_args.overwrite_output_dir, resume_argument(training_args.resume_from_checkpoint)
+    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     splits = load_summarization_splits(data_args)
@@ -219,12 +256,21 @@ def main() -> None:
         ids = np.where(ids != -100, ids, tokenizer.pad_token_id)
         return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
 
-    def compute_metrics(eval_pred):
-        predictions, label_ids = eval_pred
-        scores = rouge.compute(predictions=decode(predictions), references=decode(label_ids))
-        scores = {key: float(value) for key, value in scores.items()}
-        scores["gen_len"] = float(np.mean(np.sum(predictions != tokenizer.pad_token_id, axis=-1)))
-        return scores
+    def split_metrics(examples: list[dict]):
+        """ROUGE of the generated summaries against the split's full reference summaries, as read (the labels
+        are cut to --max_target_length for training)."""
+
+        def compute_metrics(eval_pred):
+            predictions = eval_pred.predictions
+            references = [ex["summary"] for ex in examples]
+            scores = rouge.compute(predictions=decode(predictions), references=references)
+            scores = {key: float(value) for key, value in scores.items()}
+            scores["gen_len"] = float(np.mean(np.sum(predictions != tokenizer.pad_token_id, axis=-1)))
+            return scores
+
+        return compute_metrics
+
+    metrics_for = {split: split_metrics(examples) for split, examples in eval_examples.items()}
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
@@ -235,19 +281,29 @@ def main() -> None:
         eval_dataset=eval_datasets.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
-        compute_metrics=compute_metrics if training_args.predict_with_generate else None,
+        compute_metrics=metrics_for.get("validation") if training_args.predict_with_generate else None,
     )
 
     # ---- Train, evaluate, predict; all_results.json last ----
-    def write_test_predictions(predictions):
+    def write_test_predictions(output):
         lines = [
             json.dumps({"reference": ex["summary"], "prediction": pred}, ensure_ascii=False)
-            for ex, pred in zip(eval_examples["test"], decode(predictions))
+            for ex, pred in zip(eval_examples["test"], decode(output.predictions))
         ]
         (Path(training_args.output_dir) / "test_predictions.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
 
+    generate = training_args.predict_with_generate
+    record = {
+        **data_record(splits),
+        **summarization_truncation_record({"train": train_examples, **eval_examples}, tokenizer, data_args),
+    }
     train_evaluate_predict(
-        trainer, train_dataset, eval_datasets, write_test_predictions if training_args.predict_with_generate else None
+        trainer,
+        train_dataset,
+        eval_datasets,
+        write_test_predictions if generate else None,
+        metrics_for if generate else None,
+        record,
     )
 
 

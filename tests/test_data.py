@@ -223,29 +223,29 @@ def test_numeric_labels_keep_their_meaning():
     assert label_list([{"label": "pos"}, {"label": "1.0"}, {"label": "1"}], "label") == ["1", "pos"]
 
 
-def test_ner_jsonl_integer_tags_with_label_names(tmp_path):
+def test_ner_jsonl_integer_tags_with_tag_names(tmp_path):
     names = ["O", "B-PER", "I-PER", "B-LOC"]  # the Hub's ClassLabel names, id i is names[i]
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"tokens": ["John", "Smith", "in", "Rome"], "ner_tags": [1, 2, 0, 3]}) + "\n")
-    assert read_ner_file(path, label_names=names)[0]["ner_tags"] == ["B-PER", "I-PER", "O", "B-LOC"]
+    assert read_ner_file(path, tag_names=names)[0]["ner_tags"] == ["B-PER", "I-PER", "O", "B-LOC"]
     assert error_of(read_ner_file, path) == (
-        f"{path}:1: field 'ner_tags' holds integer ids; give the tag of each id in order with --label_names "
+        f"{path}:1: field 'ner_tags' holds integer ids; give the tag of each id in order with --tag_names "
         "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)"
     )
     path.write_text(
         json.dumps({"tokens": ["a"], "ner_tags": [0]}) + "\n" + json.dumps({"tokens": ["b"], "ner_tags": [4]})
     )
     assert error_of(read_ner_file, path, "tokens", "ner_tags", names) == (
-        f"{path}:2: tag id 4 is out of range: --label_names has 4 names (ids 0..3)"
+        f"{path}:2: tag id 4 is out of range: --tag_names has 4 names (ids 0..3)"
     )
     conll = tmp_path / "train.conll"
     conll.write_text("John 1\nin 0\nRome 3\n")  # CoNLL ids are digit strings
-    assert read_ner_file(conll, label_names=names)[0]["ner_tags"] == ["B-PER", "O", "B-LOC"]
+    assert read_ner_file(conll, tag_names=names)[0]["ner_tags"] == ["B-PER", "O", "B-LOC"]
     path.write_text(json.dumps({"tokens": ["John", "in"], "ner_tags": ["B-PER", "O"]}) + "\n")  # names stay names
-    assert read_ner_file(path, label_names=names)[0]["ner_tags"] == ["B-PER", "O"]
+    assert read_ner_file(path, tag_names=names)[0]["ner_tags"] == ["B-PER", "O"]
     path.write_text(json.dumps({"tokens": ["John"], "ner_tags": ["B-ORG"]}) + "\n")
     assert error_of(read_ner_file, path, "tokens", "ner_tags", names) == (
-        f"{path}:1: tag 'B-ORG' is neither an integer id nor one of --label_names {names}"
+        f"{path}:1: tag 'B-ORG' is neither an integer id nor one of --tag_names {names}"
     )
 
 

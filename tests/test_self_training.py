@@ -217,12 +217,25 @@ def test_order_preserved_across_two_processes(tmp_path):
 
 
 def test_read_unlabeled_files(tmp_path):
-    conll = tmp_path / "raw.txt"
+    conll = tmp_path / "raw.conll"
     conll.write_text("-DOCSTART- -X- O\n\nJohn\nworks\n\n\nthe B-X\ncat O\n")  # a tag column is ignored
     assert read_unlabeled_file(conll, "ner", "tokens") == [
         {"tokens": ["John", "works"], "line": 3},
         {"tokens": ["the", "cat"], "line": 7},
     ]
+    conll.write_text("# id 1\tdomain=en\nJohn\tB-PER\nworks\tO\n\n# id 2\tdomain=en\nin\tO\nNew York\tB-LOC\n")
+    with pytest.raises(DataError, match=r"raw.conll:7: token 'New York' holds a space"):
+        read_unlabeled_file(conll, "ner", "tokens")
+    # .txt is plain text: one sentence per line, words split on whitespace (not each line's first word).
+    text = tmp_path / "raw.txt"
+    text.write_text("John works in Paris .\nthe cat sat\n")
+    assert read_unlabeled_file(text, "ner", "tokens") == [
+        {"tokens": ["John", "works", "in", "Paris", "."], "line": 1},
+        {"tokens": ["the", "cat", "sat"], "line": 2},
+    ]
+    text.write_text("John\nworks\n\nthe\ncat\n")  # one word per line in a .txt: refused, not 4 sentences
+    with pytest.raises(DataError, match=r"raw.txt: every line holds a single word.*rename .* to .conll"):
+        read_unlabeled_file(text, "ner", "tokens")
     jsonl = tmp_path / "raw.jsonl"
     jsonl.write_text('{"tokens": ["a", "b"]}\n{"tokens": "a b"}\n')
     with pytest.raises(DataError, match=r"raw.jsonl:2: field 'tokens' must be a non-empty list of strings"):
@@ -238,7 +251,7 @@ def test_read_unlabeled_files(tmp_path):
 
 # ---- The recipe end to end ----------------------------------------------------------------------------------------
 
-UNLABELED_CONLL = "the\ncat\nsat\non\nthe\nmat\n\nJohn\nran\nin\nParis\n\nMary\nworks\nat\nGoogle\n"
+UNLABELED_TEXT = "the cat sat on the mat\nJohn ran in Paris\nMary works at Google\n"  # one sentence per line
 CLS_ROWS = [
     ("the cat sat on the mat", "animal"),
     ("a dog ran", "animal"),
@@ -260,7 +273,7 @@ def results_of(out: Path) -> dict:
 def test_recipe_ner_one_round_soft_labels(tiny_model, tmp_path):
     (tmp_path / "train.conll").write_text(TRAIN_CONLL)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
-    (tmp_path / "raw.txt").write_text(UNLABELED_CONLL)
+    (tmp_path / "raw.txt").write_text(UNLABELED_TEXT)
     out = tmp_path / "out"
     files = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
     files += ["--test_file", str(tmp_path / "test.conll"), "--unlabeled_file", str(tmp_path / "raw.txt")]

@@ -24,6 +24,7 @@ __all__ = [
     "read_ner_file",
     "read_table_file",
     "read_text_sentences",
+    "read_conll_tokens",
     "canonical_label",
     "check_labels",
     "label_list",
@@ -113,6 +114,20 @@ def read_conll(path: str | Path) -> list[dict]:
     first, a comment line inside a sentence, a tag-first file and a tag column mixing IOB tags with other words
     (see :func:`check_tag_columns`).
     """
+    return _read_conll(path, tagged=True)
+
+
+def read_conll_tokens(path: str | Path) -> list[dict]:
+    """Read unlabelled CoNLL-style text: one word per line in the first column (other columns, e.g. a gold tag,
+    are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
+
+    The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
+    line with another column count than its sentence's refused.
+    """
+    return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
+
+
+def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
     lines = []  # (line number, stripped text); None for a sentence break
     for number, line in enumerate(_read_lines(path), start=1):
         text = line.strip()
@@ -123,12 +138,11 @@ def read_conll(path: str | Path) -> list[dict]:
     tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
 
     def reads_as_token_line(columns: list[str]) -> bool:
-        return (
-            len(columns) in widths
-            and len(columns) >= 2
-            and not any(_has_space(column) for column in columns)
-            and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
-        )
+        if len(columns) not in widths or any(_has_space(column) for column in columns):
+            return False
+        if not tagged:
+            return True
+        return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
 
     examples, tokens, tags, tag_lines = [], [], [], []
     sentence_width = None
@@ -164,7 +178,7 @@ def read_conll(path: str | Path) -> list[dict]:
                     f"{what} {column!r} holds a space, and whitespace separates the columns of a CoNLL file; write "
                     "one word per line (or use JSON lines)",
                 )
-        if len(columns) < 2:
+        if tagged and len(columns) < 2:
             raise DataError(
                 path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
             )
@@ -182,7 +196,8 @@ def read_conll(path: str | Path) -> list[dict]:
     flush()
     if not examples:
         raise DataError(path, None, "empty file: no sentences")
-    check_tag_columns(examples, path)
+    if tagged:
+        check_tag_columns(examples, path)
     return examples
 
 
@@ -287,13 +302,13 @@ def read_ner_file(
     path: str | Path,
     tokens_field: str = "tokens",
     tags_field: str = "ner_tags",
-    label_names: Sequence[str] | None = None,
+    tag_names: Sequence[str] | None = None,
 ) -> list[dict]:
     """Read NER examples from CoNLL or JSON lines (by suffix), as ``{"tokens", "ner_tags", "line", "tag_lines"}``.
 
-    Tags are strings, or with ``label_names`` (the Hub's ``ClassLabel`` convention) integer ids: id ``i`` is
-    ``label_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
-    JSON integer tags without ``label_names``, an id out of range and an empty tag raise :class:`DataError`.
+    Tags are strings, or with ``tag_names`` (the Hub's ``ClassLabel`` convention) integer ids: id ``i`` is
+    ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
+    JSON integer tags without ``tag_names``, an id out of range and an empty tag raise :class:`DataError`.
     """
     suffix = Path(path).suffix.lower()
     if suffix not in JSONL_SUFFIXES:
@@ -314,18 +329,18 @@ def read_ner_file(
                 )
             if not tokens:
                 raise DataError(path, line, f"field {tokens_field!r} is empty")
-            if label_names is None and any(_is_int(v) for v in tags):
+            if tag_names is None and any(_is_int(v) for v in tags):
                 raise DataError(
                     path,
                     line,
-                    f"field {tags_field!r} holds integer ids; give the tag of each id in order with --label_names "
+                    f"field {tags_field!r} holds integer ids; give the tag of each id in order with --tag_names "
                     "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)",
                 )
             if any(isinstance(v, str) and not v.strip() for v in tags):
                 raise DataError(path, line, f"field {tags_field!r} holds an empty tag")
             examples.append({"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)})
-    if label_names is not None:
-        names = list(label_names)
+    if tag_names is not None:
+        names = list(tag_names)
         for ex in examples:
             ex["ner_tags"] = [_tag_name(tag, names, path, line) for tag, line in zip(ex["ner_tags"], ex["tag_lines"])]
     if suffix in JSONL_SUFFIXES:
@@ -345,9 +360,9 @@ def _tag_name(tag, names: list[str], path, line) -> str:
         if 0 <= int(tag) < len(names):
             return names[int(tag)]
         raise DataError(
-            path, line, f"tag id {tag} is out of range: --label_names has {len(names)} names (ids 0..{len(names) - 1})"
+            path, line, f"tag id {tag} is out of range: --tag_names has {len(names)} names (ids 0..{len(names) - 1})"
         )
-    raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --label_names {names}")
+    raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --tag_names {names}")
 
 
 def read_table_file(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict]:
