@@ -98,7 +98,8 @@ def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
             return record
         print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, script, "--output_dir", str(run_dir), *flags]
+    # The runner owns run_dir: what an earlier attempt left there (other flags, a crash) is replaced.
+    command = [sys.executable, script, "--output_dir", str(run_dir), "--overwrite_output_dir", "true", *flags]
     print(f"[ablation] {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(run_dir / "ablation_log.txt", "w") as log:

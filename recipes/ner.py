@@ -156,7 +156,9 @@ def tokenize_ner(
 
     With ``label_all_tokens`` every sub-token of a word is labelled by :func:`~nlp_tricks.data.subtoken_tags`, which
     keeps the word's scheme (``B-X`` -> ``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``); a continuation tag that is
-    not a training label (``I-X`` where training only has ``B-X``) stays -100 rather than teach a wrong one.
+    not a training label (``I-X`` where training only has ``B-X``) stays -100 rather than teach a wrong one. (The
+    first sub-token of a split ``S-X`` / ``E-X`` word then learns ``B-X`` / ``I-X``: scored by word, the entity's
+    span is the same for seqeval, while the word's tag accuracy counts it as another tag.)
     """
     encodings = tokenizer(
         [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
@@ -170,16 +172,16 @@ def tokenize_ner(
                 pieces[word] = pieces.get(word, 0) + 1
         labels, previous, k = [], None, 0
         for word in word_ids:
-            if word is None:
+            tag = None if word is None else ex["ner_tags"][word]
+            if word is None or (word == previous and not label_all_tokens):
                 labels.append(-100)
-            elif word != previous:
-                labels.append(label2id[ex["ner_tags"][word]])
-                k = 1
-            elif label_all_tokens:
-                labels.append(label2id.get(subtoken_tags(ex["ner_tags"][word], pieces[word])[k], -100))
-                k += 1
+            elif not label_all_tokens:
+                labels.append(label2id[tag])
             else:
-                labels.append(-100)
+                k = 0 if word != previous else k + 1
+                piece_tag = subtoken_tags(tag, pieces[word])[k]
+                # The first sub-token always carries a label (the word's own tag if its piece tag is unknown).
+                labels.append(label2id.get(piece_tag, label2id[tag] if k == 0 else -100))
             previous = word
         all_labels.append(labels)
     return Dataset.from_dict({**encodings, "labels": all_labels})

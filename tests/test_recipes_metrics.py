@@ -44,6 +44,22 @@ def test_ner_labels_on_first_sub_token(word_tokenizer):
     assert truncated["labels"] == [[-100, 1, 3, 3, 0, -100]]
 
 
+def test_ner_label_all_tokens_keeps_the_tag_scheme(word_tokenizer):
+    ner = load_recipe("ner")
+    tags = ["B-LOC", "E-LOC", "I-LOC", "O", "S-LOC", "S-PER"]
+    label2id = {tag: i for i, tag in enumerate(tags)}
+    # Sub-tokens: [CLS] john lives in new - york . [SEP]; "New-York" is one BIOES S- word in 3 sub-tokens.
+    examples = [{"tokens": ["John", "lives", "in", "New-York", "."], "ner_tags": ["S-PER", "O", "O", "S-LOC", "O"]}]
+    every = ner.tokenize_ner(examples, word_tokenizer, label2id, 64, label_all_tokens=True)
+    # The entity keeps its boundaries: B-LOC I-LOC E-LOC, not S-LOC three times (three one-word entities).
+    assert every["labels"] == [[-100, 5, 3, 3, 0, 2, 1, 3, -100]]
+    # A continuation tag the training data never uses as a word's tag is left out rather than replaced.
+    del label2id["I-LOC"]
+    assert ner.tokenize_ner(examples, word_tokenizer, label2id, 64, True)["labels"] == [
+        [-100, 5, 3, 3, 0, -100, 1, 3, -100]
+    ]
+
+
 def test_metric_modules_are_local_files():
     for name in METRICS:
         path = Path(metric_path(name))
