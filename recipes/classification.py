@@ -47,6 +47,7 @@ from common import (
     labelled_splits,
     load_classifier,
     load_splits,
+    own_rows,
     parse_recipe_args,
     prepare_output_dir,
     resume_argument,
@@ -141,12 +142,15 @@ def classification_truncation_record(splits: dict[str, list[dict]], tokenizer, m
     return record
 
 
-def classification_compute_metrics(num_labels: int) -> Callable:
-    """``compute_metrics`` for the Trainer: accuracy and macro-F1 over every training label."""
+def classification_compute_metrics(num_labels: int, num_examples: int | None = None) -> Callable:
+    """``compute_metrics`` for the Trainer: accuracy and macro-F1 over every training label, on the split's
+    ``num_examples`` examples (see ``common.own_rows``; None: every row)."""
     accuracy_f1 = load_metric("accuracy_f1")
 
     def compute_metrics(eval_pred):
         predictions, label_ids = eval_pred
+        if num_examples is not None:
+            predictions, label_ids = own_rows(predictions, num_examples), own_rows(label_ids, num_examples)
         # Macro-F1 over every training label, so a class the model never predicts counts as F1 0.
         scores = accuracy_f1.compute(predictions=predictions, references=label_ids, labels=list(range(num_labels)))
         return {key: float(value) for key, value in scores.items()}
@@ -191,7 +195,9 @@ def main() -> None:
         for split, examples in eval_examples.items()
     }
 
-    compute_metrics = classification_compute_metrics(len(labels))
+    split_metrics = {
+        split: classification_compute_metrics(len(labels), len(dataset)) for split, dataset in eval_datasets.items()
+    }
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
@@ -202,7 +208,7 @@ def main() -> None:
         eval_dataset=eval_datasets.get("validation"),
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-        compute_metrics=compute_metrics,
+        compute_metrics=split_metrics.get("validation"),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
 
@@ -221,7 +227,8 @@ def main() -> None:
         lambda output: write_predictions(
             output_dir / "test_predictions.csv", eval_examples["test"], output.predictions, id2label
         ),
-        record=record,
+        split_metrics,
+        record,
     )
 
 

@@ -594,6 +594,18 @@ def data_record(splits: dict[str, tuple[list[dict], str]], labels: list[str] | N
     return record
 
 
+def own_rows(array, n: int):
+    """The first ``n`` rows of a split's gathered predictions / labels.
+
+    A multi-process evaluation completes its last batch with repeated samples, which ``gather_for_metrics``
+    normally drops; an evaluation inside the training loop (``eval_strategy``) can still bring them
+    (accelerate's one ``GradientState`` for both dataloaders). They come after the split's own rows, in order.
+    """
+    if len(array) < n:
+        raise RuntimeError(f"{len(array)} predictions for {n} examples")
+    return array[:n]
+
+
 def warn(message: str) -> None:
     """A warning on the main process only (a launched job with N processes shows it once)."""
     if is_main_process():

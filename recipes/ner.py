@@ -55,6 +55,7 @@ from common import (
     labelled_splits,
     load_classifier,
     load_splits,
+    own_rows,
     parse_recipe_args,
     prepare_output_dir,
     resume_argument,
@@ -274,7 +275,8 @@ def ner_compute_metrics(id2label: dict, eval_set: NerEvalSet) -> Callable:
     seqeval = load_metric("seqeval_f1")
 
     def compute_metrics(eval_pred):
-        predictions, label_ids = eval_pred.predictions, eval_pred.label_ids
+        n = len(eval_set.examples)
+        predictions, label_ids = own_rows(eval_pred.predictions, n), own_rows(eval_pred.label_ids, n)
         predicted = ner_word_predictions(eval_set, predictions, label_ids, id2label)
         gold = [ex["ner_tags"] for ex in eval_set.examples]
         scores = seqeval.compute(predictions=predicted, references=gold)

@@ -289,7 +289,9 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
         eval_datasets = {split: eval_set.dataset for split, eval_set in eval_sets.items()}
     else:
         collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-        split_metrics = dict.fromkeys(eval_sets, classification_compute_metrics(len(labels)))
+        split_metrics = {
+            split: classification_compute_metrics(len(labels), len(dataset)) for split, dataset in eval_sets.items()
+        }
         eval_datasets = eval_sets
     trainer = TricksTrainer(
         model=model,

@@ -60,6 +60,7 @@ from common import (
     data_record,
     eval_splits,
     load_splits,
+    own_rows,
     parse_recipe_args,
     prepare_output_dir,
     resolve_model_path,
@@ -261,7 +262,7 @@ def main() -> None:
         are cut to --max_target_length for training)."""
 
         def compute_metrics(eval_pred):
-            predictions = eval_pred.predictions
+            predictions = own_rows(eval_pred.predictions, len(examples))
             references = [ex["summary"] for ex in examples]
             scores = rouge.compute(predictions=decode(predictions), references=references)
             scores = {key: float(value) for key, value in scores.items()}
