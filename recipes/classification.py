@@ -14,15 +14,18 @@ Features:
   / ``--test_file`` as CSV (header row) or JSON lines, with ``--text_column`` / ``--label_column``; or the built-in
   ``demo`` (BBC News, 2,225 articles in 5 classes; ``pip install "nlp-tricks[demo]"``). Data with only a training
   split is split 80/10/10 with ``--split_seed``.
-- Labels are the training data's label values (sorted); a label in validation / test that training never saw is an
-  error naming its file and line, as is a record without the column, an empty file and a file that is not UTF-8.
-  Such errors print one line on stderr and exit with status 1.
+- Labels are the training data's label values, sorted (numbers as numbers: labels ``0..K-1`` keep their ids, and
+  ``1`` / ``1.0`` are one class); a label in validation / test that training never saw is an error naming its file
+  and line, as is an empty label, a record without the column, an empty file and a file that is not UTF-8. Such
+  errors print one line on stderr and exit with status 1.
 - Metrics: accuracy and macro-F1 from the ``evaluate`` module shipped in ``nlp_tricks/metrics/accuracy_f1``.
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--label_smoothing_factor 0.1``,
   ``--layer_decay 0.9``, ...), next to every ``TrainingArguments`` flag.
 - Outputs in ``--output_dir`` (default ``outputs/classification``): model and tokenizer (safetensors),
-  ``all_results.json`` (``eval_accuracy``, ``eval_f1``, the ``test_`` ones and the training numbers),
-  ``test_predictions.csv`` (``label,predicted,text``) and ``trainer_state.json``.
+  ``all_results.json`` (``eval_accuracy``, ``eval_f1``, the ``test_`` ones, the training numbers, the data files,
+  label list and the number of texts cut by ``--max_seq_length``), ``test_predictions.csv``
+  (``label,predicted,text``) and ``trainer_state.json``. A folder holding an earlier run's results is refused
+  unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations

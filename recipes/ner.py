@@ -10,22 +10,28 @@
 Features:
 
 - Data: ``--dataset_name`` (+ ``--dataset_config_name``) from the Hub (columns ``tokens`` / ``ner_tags``); local
-  ``--train_file`` / ``--validation_file`` / ``--test_file`` in CoNLL (token first column, tag last, blank line
-  between sentences, ``-DOCSTART-`` skipped) or JSON lines (``{"tokens": [...], "ner_tags": [...]}``); or the
+  ``--train_file`` / ``--validation_file`` / ``--test_file`` in CoNLL (token first column, tag last, tab- or
+  space-separated, blank line between sentences, ``-DOCSTART-`` and ``# ...`` comment lines skipped) or JSON lines
+  (``{"tokens": [...], "ner_tags": [...]}``, tags as strings or integer ids named by ``--tag_names``); or the
   built-in ``demo`` (WNUT-16, 2,394 tweets, 10 entity types; ``pip install "nlp-tricks[demo]"``). Data with only a
   training split is split 80/10/10 with ``--split_seed``.
-- Labels come from the training data; a tag in validation / test that training never saw is an error naming its
-  file and line, as is a token without a tag, an empty file, a JSON record without a field or with tokens and tags
-  of different lengths, and a file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
+- Labels come from the training data (or ``--tag_names``, in id order); a tag in validation / test that training
+  never saw is an error naming its file and line, as is a token without a tag, a token holding a space, a tag-first
+  file, IOB tags mixed with words, an empty file, a JSON record without a field or with tokens and tags of different
+  lengths, and a file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
 - The tag of a word goes on its first sub-token (-100 on the rest); ``--label_all_tokens`` labels every training
-  sub-token (``I-`` for the continuation of a ``B-``). Evaluation always scores words (first sub-tokens).
+  sub-token with tags that keep the word's scheme (``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``).
+- Scoring covers every word of every sentence: a word's prediction is its first sub-token's, and a word cut by
+  ``--max_seq_length`` or without any sub-token counts as predicted ``O`` (a warning says how many).
 - Metrics: entity-level precision / recall / F1 with seqeval's semantics, from the ``evaluate`` module shipped in
   ``nlp_tricks/metrics/seqeval_f1`` (works offline).
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
-  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``, the ``test_`` ones and the training
-  numbers), ``test_predictions.txt`` (``token  gold  predicted`` per line, CoNLL style) and ``trainer_state.json``.
+  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``, the ``test_`` ones, the training numbers,
+  the data files, label list and truncated-word counts), ``test_predictions.txt`` (``token  gold  predicted`` per
+  word, CoNLL style: the predictions the test metrics score) and ``trainer_state.json``. A folder holding an
+  earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations

@@ -15,18 +15,21 @@ Features:
   / ``--test_file`` as CSV (header row) or JSON lines, with ``--text_column`` / ``--summary_column``; or the
   built-in ``demo`` (ACLSum: the abstracts of 250 ACL papers with their challenge / approach / outcome summaries;
   ``pip install "nlp-tricks[demo]"``). Data with only a training split is split 80/10/10 with ``--split_seed``.
-- Bad input (a record without the column, an empty file, a file that is not UTF-8) prints one line on stderr naming
-  the file and line and exits with status 1.
+- Bad input (a record without the column, an empty summary, an empty file, a file that is not UTF-8) prints one line
+  on stderr naming the file and line and exits with status 1.
 - Model: a seq2seq model (BART, T5, ...) as it is; an encoder-only model (BERT, the demo's MiniLM) becomes a
   BERT2BERT ``EncoderDecoderModel`` warm-started from it on both sides (Rothe et al. 2020,
   https://arxiv.org/abs/1907.12461).
-- Metrics: ROUGE-1 / ROUGE-2 / ROUGE-L of generated summaries (``--predict_with_generate``, on by default) from the
-  ``evaluate`` module shipped in ``nlp_tricks/metrics/rouge``.
+- Metrics: ROUGE-1 / ROUGE-2 / ROUGE-L of generated summaries (``--predict_with_generate``, on by default) against
+  the full reference summaries (``--max_target_length`` cuts them for training only), from the ``evaluate`` module
+  shipped in ``nlp_tricks/metrics/rouge``.
 - Tricks: every ``Seq2SeqTricksArguments`` field is a flag (``--loss_type label_smoothing``, ``--layer_decay``, the
   seq2seq tricks, ...), next to every ``Seq2SeqTrainingArguments`` flag (``--generation_num_beams``, ...).
 - Outputs in ``--output_dir`` (default ``outputs/summarization``): model and tokenizer (safetensors),
-  ``all_results.json`` (``eval_rouge1``, ``eval_rouge2``, ``eval_rougeL``, the ``test_`` ones and the training
-  numbers), ``test_predictions.jsonl`` (``{"reference", "prediction"}`` per line) and ``trainer_state.json``.
+  ``all_results.json`` (``eval_rouge1``, ``eval_rouge2``, ``eval_rougeL``, the ``test_`` ones, the training
+  numbers, the data files and the documents / summaries cut by the length limits), ``test_predictions.jsonl``
+  (``{"reference", "prediction"}`` per line) and ``trainer_state.json``. A folder holding an earlier run's results
+  is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations
