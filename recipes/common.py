@@ -480,14 +480,18 @@ def _matches(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
     return sorted({path for pattern in patterns for path in folder.glob(pattern)})
 
 
-def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: str | bool | None = None) -> None:
+def prepare_output_dir(
+    output_dir: str | Path, overwrite: bool, resume: str | bool | None = None, reads: tuple[str | None, ...] = ()
+) -> None:
     """Make sure no file of an earlier run can be read as this run's.
 
     A folder holding an earlier run's results (``RESULT_OUTPUTS``) is refused with a :class:`DataError` (one line,
     exit 1) unless ``overwrite`` (``--overwrite_output_dir``): then everything a run writes (``RUN_OUTPUTS``) is
     removed before the run starts, and nothing else (your own files stay). ``resume``
     (``--resume_from_checkpoint``) continues the run in the folder: its checkpoints stay and its earlier results
-    are removed without asking. Only the main process removes; every process checks.
+    are removed without asking. A folder holding a model the run reads (``reads``: ``--model_name_or_path``, ...)
+    is always refused, since replacing its files would remove what the run is about to load. Only the main process
+    removes; every process checks.
     """
     folder = Path(output_dir)
     if not folder.is_dir():
@@ -498,6 +502,18 @@ def prepare_output_dir(output_dir: str | Path, overwrite: bool, resume: str | bo
     ]
     if not results:
         return
+    for source in reads:
+        if (
+            source
+            and Path(source).exists()
+            and folder.resolve() in (Path(source).resolve(), *Path(source).resolve().parents)
+        ):
+            raise DataError(
+                folder,
+                None,
+                f"holds the model this run loads ({source}) and an earlier run's results; write this run to another "
+                "--output_dir",
+            )
     if not overwrite and not resume:
         names = ", ".join(p.name for p in results[:3]) + (", ..." if len(results) > 3 else "")
         only_checkpoints = all(p.name.startswith("checkpoint-") for p in results)

@@ -492,7 +492,11 @@ def main() -> None:
     task = data_args.task
     set_seed(training_args.seed)
     out = Path(training_args.output_dir)
-    prepare_output_dir(out, data_args.overwrite_output_dir)
+    prepare_output_dir(
+        out,
+        data_args.overwrite_output_dir,
+        reads=(model_args.model_name_or_path, model_args.student_model_name_or_path, model_args.tokenizer_name),
+    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     data = setup_data(data_args)

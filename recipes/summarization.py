@@ -239,7 +239,10 @@ def main() -> None:
     )
     set_seed(training_args.seed)
     prepare_output_dir(
-        training_args.output_dir, data_args.overwrite_output_dir, resume_argument(training_args.resume_from_checkpoint)
+        training_args.output_dir,
+        data_args.overwrite_output_dir,
+        resume_argument(training_args.resume_from_checkpoint),
+        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----

@@ -254,3 +254,14 @@ def test_output_dir_holding_results_is_refused_unless_overwritten(tiny_model, tm
     assert not (out / "test_predictions.txt").exists()
     assert "test_f1" not in json.loads((out / "all_results.json").read_text())
     assert (out / "notes.txt").read_text() == "mine"
+
+    # Evaluating the saved model into its own folder would remove the model before loading it: refused even with
+    # --overwrite_output_dir.
+    again = tiny_args(str(out), out, *train, "--do_train", "false", "--overwrite_output_dir", "true")
+    capsys.readouterr()
+    assert run_in_process("ner", again, monkeypatch) == 1
+    assert capsys.readouterr().err == (
+        f"{out}: holds the model this run loads ({out}) and an earlier run's results; write this run to another "
+        "--output_dir\n"
+    )
+    assert (out / "model.safetensors").is_file()
