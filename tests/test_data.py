@@ -86,7 +86,7 @@ def test_csv_and_table_errors(tmp_path):
     jsonl.write_text('{"text": "a", "label": 3}\n')
     assert read_table_file(jsonl, ["text", "label"]) == [{"text": "a", "label": "3", "line": 1}]
     assert error_of(read_table_file, tmp_path / "x.parquet", ["text"]).endswith(
-        "use .csv, .json or .jsonl (JSON lines)"
+        "use .csv, .tsv, .json or .jsonl (JSON lines)"
     )
 
 
