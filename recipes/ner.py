@@ -19,12 +19,13 @@ Features:
   of different lengths, and a file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
 - The tag of a word goes on its first sub-token (-100 on the rest); ``--label_all_tokens`` labels every training
   sub-token (``I-`` for the continuation of a ``B-``). Evaluation always scores words (first sub-tokens).
-- Metrics: entity-level precision / recall / F1 with seqeval's semantics, from the ``evaluate`` module shipped in
-  ``nlp_tricks/metrics/seqeval_f1`` (works offline).
+- Metrics: entity-level precision / recall / F1 with seqeval's semantics, overall (micro average) and per entity
+  type, from the ``evaluate`` module shipped in ``nlp_tricks/metrics/seqeval_f1`` (works offline).
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
-  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``, the ``test_`` ones and the training
+  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
+  ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones and the training
   numbers), ``test_predictions.txt`` (``token  gold  predicted`` per line, CoNLL style) and ``trainer_state.json``.
 """
 
@@ -167,9 +168,23 @@ def ner_compute_metrics(id2label: dict) -> Callable:
             true_tags.append([id2label[int(g)] for g in gold[keep]])
             predicted_tags.append([id2label[int(p)] for p in preds[keep]])
         scores = seqeval.compute(predictions=predicted_tags, references=true_tags)
-        return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
+        return {
+            **{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")},
+            **entity_scores(scores),
+        }
 
     return compute_metrics
+
+
+def entity_scores(scores: dict) -> dict[str, float]:
+    """Per entity type of a ``seqeval_f1`` result: ``<TYPE>_precision``, ``_recall``, ``_f1`` and ``_number`` (its
+    gold entities), flat floats as the Trainer logs metrics (``eval_PER_f1`` in ``all_results.json``)."""
+    return {
+        f"{entity}_{name}": float(values[name])
+        for entity, values in scores.items()
+        if isinstance(values, dict)
+        for name in ("precision", "recall", "f1", "number")
+    }
 
 
 # ---- The recipe ---------------------------------------------------------------------------------------------------
