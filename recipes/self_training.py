@@ -159,6 +159,10 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
             )
         if self.unlabeled_fraction is not None and not 0.0 < self.unlabeled_fraction < 1.0:
             raise ValueError(f"unlabeled_fraction={self.unlabeled_fraction} is not allowed; it must be in (0, 1)")
+        if self.text_pair_column is not None or self.multi_label:
+            raise ValueError(
+                "text_pair_column and multi_label are not supported by self-training (one text, one label)"
+            )
 
 
 @dataclass

@@ -12,7 +12,7 @@
 Features:
 
 - Data: ``--dataset_name`` (+ ``--dataset_config_name``) from the Hub; local ``--train_file`` / ``--validation_file``
-  / ``--test_file`` as CSV (header row) or JSON lines, with ``--text_column`` / ``--summary_column``; or the
+  / ``--test_file`` as CSV or TSV (header row) or JSON lines, with ``--text_column`` / ``--summary_column``; or the
   built-in ``demo`` (ACLSum: the abstracts of 250 ACL papers with their challenge / approach / outcome summaries;
   ``pip install "nlp-tricks[demo]"``). Data with only a training split is split 80/10/10 with ``--split_seed``.
 - Bad input (a record without the column, an empty summary, an empty file, a file that is not UTF-8) prints one line
@@ -109,7 +109,10 @@ class SummarizationDataArguments(DataArguments):
             "Ignored when --train_file is given."
         },
     )
-    train_file: str | None = field(default=None, metadata={"help": "Training data: CSV (header row) or JSON lines."})
+    train_file: str | None = field(
+        default=None,
+        metadata={"help": "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."},
+    )
     text_column: str = field(default="text", metadata={"help": "Column / field of the document."})
     summary_column: str = field(default="summary", metadata={"help": "Column / field of the summary."})
     source_prefix: str = field(default="", metadata={"help": "Text put before every document (T5: 'summarize: ')."})

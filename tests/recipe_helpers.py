@@ -181,7 +181,7 @@ def make_tiny_model(path: Path) -> str:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",  # token_type_ids 1 on the second segment, as BERT's tokenizer
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
     )
     PreTrainedTokenizerFast(
@@ -191,6 +191,7 @@ def make_tiny_model(path: Path) -> str:
         cls_token="[CLS]",
         sep_token="[SEP]",
         mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],  # as BERT's tokenizer
     ).save_pretrained(path)
     torch.manual_seed(0)
     config = BertConfig(

@@ -91,7 +91,7 @@ def test_csv_and_table_errors(tmp_path):
     jsonl.write_text('{"text": "a", "label": 3}\n')
     assert read_table_file(jsonl, ["text", "label"]) == [{"text": "a", "label": "3", "line": 1}]
     assert error_of(read_table_file, tmp_path / "x.parquet", ["text"]).endswith(
-        "use .csv, .json or .jsonl (JSON lines)"
+        "use .csv, .tsv, .json or .jsonl (JSON lines)"
     )
 
 
@@ -171,14 +171,20 @@ def test_conll_comment_lines_are_skipped_never_labels(tmp_path):
 def test_empty_labels_are_refused(tmp_path):
     path = tmp_path / "train.csv"
     path.write_text("text,label\ngood film,pos\nno label here,\nbad,neg\n")
-    assert error_of(read_table_file, path, ["text", "label"], ["label"]) == (
+    assert error_of(lambda *a: read_table_file(*a, nonempty=["label"]), path, ["text", "label"]) == (
         f"{path}:3: empty value in column 'label'"
     )
     path.write_text('text,label\ngood film,pos\nblank," "\n')
-    assert error_of(read_csv, path, ["text", "label"], ["label"]) == f"{path}:3: empty value in column 'label'"
+    assert (
+        error_of(lambda *a: read_csv(*a, nonempty=["label"]), path, ["text", "label"])
+        == f"{path}:3: empty value in column 'label'"
+    )
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text('{"text": "a", "label": "pos"}\n{"text": "b", "label": ""}\n')
-    assert error_of(read_table_file, jsonl, ["text", "label"], ["label"]) == f"{jsonl}:2: field 'label' is empty"
+    assert (
+        error_of(lambda *a: read_table_file(*a, nonempty=["label"]), jsonl, ["text", "label"])
+        == f"{jsonl}:2: field 'label' is empty"
+    )
     jsonl.write_text(json.dumps({"tokens": ["a", "b"], "ner_tags": ["O", ""]}) + "\n")
     assert error_of(read_ner_file, jsonl) == f"{jsonl}:1: field 'ner_tags' holds an empty tag"
     conll = tmp_path / "train.conll"

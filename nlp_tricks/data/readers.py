@@ -1,4 +1,4 @@
-"""Line-numbered readers for CoNLL, JSON lines, CSV and plain-text files, and label checks across splits.
+"""Line-numbered readers for CoNLL, JSON lines, CSV, TSV and plain-text files, and label checks across splits.
 
 A reader refuses what it cannot read correctly (``DataError``, ``file:line: message``) rather than guess: an empty
 label, a CoNLL token holding a space, a CoNLL file with the tag first, a tag column that mixes ``B-``/``I-`` tags
@@ -37,6 +37,7 @@ __all__ = [
 CONLL_SUFFIXES = (".conll", ".conllu", ".txt", ".tsv", ".iob", ".bio")
 JSONL_SUFFIXES = (".jsonl", ".json")
 CSV_SUFFIXES = (".csv",)
+TSV_SUFFIXES = (".tsv",)
 
 
 class DataError(ValueError):
@@ -267,19 +268,29 @@ def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
     return examples
 
 
-def read_csv(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict]:
+def read_csv(
+    path: str | Path, fields: Sequence[str], delimiter: str = ",", nonempty: Sequence[str] = ()
+) -> list[dict]:
     """Read a CSV file with a header row holding the given columns; each example also gets its ``line``.
 
-    A column in ``nonempty`` (e.g. the label) must hold more than whitespace in every row.
+    ``delimiter="\t"`` reads TSV (tab-separated values, Python's ``excel-tab`` dialect: what ``csv.writer`` and
+    pandas write). A TSV value may be quoted as in CSV (needed only for a tab or a line break inside it), and a quote
+    that opens a value must close it: ``"Hi," she said<TAB>pos`` is an error on its line rather than a text that
+    silently loses its quotes. A column in ``nonempty`` (e.g. the label) must hold more than whitespace in every row.
     """
+    kind = "TSV" if delimiter == "\t" else "CSV"
     lines = _read_lines(path)
     if not lines:
         raise DataError(path, None, "empty file: no header row")
-    reader = csv.DictReader(io.StringIO("\n".join(lines) + "\n"))
-    header = reader.fieldnames or []
+    reader = csv.DictReader(io.StringIO("\n".join(lines) + "\n"), delimiter=delimiter, strict=kind == "TSV")
+    try:
+        header = reader.fieldnames or []
+    except csv.Error as err:
+        raise DataError(path, 1, f"not valid {kind} ({err})") from None
     missing = [name for name in fields if name not in header]
     if missing:
-        raise DataError(path, 1, f"no column {missing[0]!r}; the header has {header}")
+        hint = "; is it tab-separated? name it .tsv" if kind == "CSV" and "\t" in lines[0] else ""
+        raise DataError(path, 1, f"no column {missing[0]!r}; the header has {header}{hint}")
     examples = []
     try:
         for row in reader:
@@ -292,7 +303,8 @@ def read_csv(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = 
                 raise DataError(path, number, f"empty value in column {blank[0]!r}")
             examples.append({**{name: row[name] for name in fields}, "line": number})
     except csv.Error as err:
-        raise DataError(path, reader.line_num, f"not valid CSV ({err})") from None
+        # DictReader's own line_num is that of the last good row; its csv.reader's is the failing line's.
+        raise DataError(path, reader.reader.line_num, f"not valid {kind} ({err})") from None
     if not examples:
         raise DataError(path, None, "empty file: a header row but no records")
     return examples
@@ -365,26 +377,44 @@ def _tag_name(tag, names: list[str], path, line) -> str:
     raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --tag_names {names}")
 
 
-def read_table_file(path: str | Path, fields: Sequence[str], nonempty: Sequence[str] = ()) -> list[dict]:
-    """Read CSV or JSON lines (by suffix) with the given fields; values become strings.
+def read_table_file(
+    path: str | Path, fields: Sequence[str], list_fields: Sequence[str] = (), nonempty: Sequence[str] = ()
+) -> list[dict]:
+    """Read CSV, TSV or JSON lines (by suffix) with the given fields; values become strings.
 
-    A field in ``nonempty`` (e.g. the label) must hold more than whitespace in every record.
+    A JSON field named in ``list_fields`` may also hold a list of strings / numbers, kept as a list of strings
+    (multi-label classification's ``["pos", "funny"]``); in CSV / TSV every value is a string. A field in
+    ``nonempty`` (e.g. a single label) must hold more than whitespace in every record.
     """
     suffix = Path(path).suffix.lower()
     if suffix in CSV_SUFFIXES:
-        return read_csv(path, fields, nonempty)
+        return read_csv(path, fields, nonempty=nonempty)
+    if suffix in TSV_SUFFIXES:
+        return read_csv(path, fields, delimiter="\t", nonempty=nonempty)
     if suffix in JSONL_SUFFIXES:
         examples = read_jsonl(path, fields)
         for ex in examples:
             for name in fields:
                 value = ex[name]
-                if isinstance(value, bool) or not isinstance(value, str | int | float):
-                    raise DataError(path, ex["line"], f"field {name!r} must be a string or a number, got {value!r}")
+                if name in list_fields and isinstance(value, list):
+                    if not all(_is_scalar(item) for item in value):
+                        raise DataError(
+                            path, ex["line"], f"field {name!r} must be a list of strings or numbers, got {value!r}"
+                        )
+                    ex[name] = [str(item) for item in value]
+                    continue
+                if not _is_scalar(value):
+                    what = "a string, a number or a list of them" if name in list_fields else "a string or a number"
+                    raise DataError(path, ex["line"], f"field {name!r} must be {what}, got {value!r}")
                 ex[name] = str(value)
                 if name in nonempty and not ex[name].strip():
                     raise DataError(path, ex["line"], f"field {name!r} is empty")
         return examples
-    raise DataError(path, None, f"unknown file type {suffix!r}; use .csv, .json or .jsonl (JSON lines)")
+    raise DataError(path, None, f"unknown file type {suffix!r}; use .csv, .tsv, .json or .jsonl (JSON lines)")
+
+
+def _is_scalar(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, str | int | float)
 
 
 def read_text_sentences(path: str | Path) -> list[dict]:

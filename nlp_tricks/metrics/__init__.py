@@ -14,7 +14,7 @@ from pathlib import Path
 
 __all__ = ["METRICS", "metric_path", "load_metric"]
 
-METRICS = ("seqeval_f1", "rouge", "accuracy_f1")
+METRICS = ("seqeval_f1", "rouge", "accuracy_f1", "multi_label_f1")
 
 
 def metric_path(name: str) -> str:
