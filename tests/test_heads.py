@@ -239,16 +239,20 @@ def test_the_classifier_is_found_in_common_heads():
     assert find_classifier(RobertaForSequenceClassification(config))[0] == "classifier.out_proj"
 
 
-def test_multi_sample_dropout_settings_are_validated(tmp_path):
+def test_multi_sample_dropout_settings_are_validated(tmp_path, caplog):
     with pytest.raises(ValueError, match="head_dropout > 0"):
         tricks_args(tmp_path, head_dropout_samples=4)
     with pytest.raises(ValueError, match="head_dropout="):
         tricks_args(tmp_path, head_dropout_samples=2, head_dropout=1.0)
     with pytest.raises(ValueError, match="head_dropout_samples="):
         tricks_args(tmp_path, head_dropout_samples=0)
+    # Regression (float labels) keeps the model's own loss, with a warning naming what cannot apply.
     model = bert_seq_cls(num_labels=1)
     trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, head_dropout_samples=2, head_dropout=0.5))
     batch = _batch(seq_cls_data())
     batch["labels"] = batch["labels"].float()
-    with pytest.raises(ValueError, match="class-id labels"):
-        trainer.compute_loss(model, batch)
+    model.eval()
+    with caplog.at_level("WARNING", logger="nlp_tricks.trainer"):
+        loss = trainer.compute_loss(model, batch)
+    assert "head_dropout_samples=2, head_dropout=0.5 cannot apply" in caplog.text
+    torch.testing.assert_close(loss, model(**batch).loss)
