@@ -23,10 +23,16 @@ __all__ = [
     "keep_signature_column",
     "loss_shifts_labels",
     "set_loss_shifts_labels",
+    "reduce_item_count",
 ]
 
 # Methods of `Trainer` we call or override (checked on the class).
-TRAINER_METHODS = ("_prepare_context_parallel_inputs", "_prepare_inputs", "_set_signature_columns_if_needed")
+TRAINER_METHODS = (
+    "_prepare_context_parallel_inputs",
+    "_prepare_inputs",
+    "_set_signature_columns_if_needed",
+    "_get_num_items_in_batch",
+)
 # Attributes a built `Trainer` holds (checked on an instance).
 TRAINER_ATTRIBUTES = (
     "loss_is_scaled_for_ga",
@@ -86,3 +92,19 @@ def set_loss_shifts_labels(trainer: Trainer, shifts: bool) -> None:
     """Tell the Trainer whether the loss shifts labels, so that it counts ``num_items_in_batch`` over
     ``labels[..., 1:]`` (True) or over ``labels`` (False), as the loss divides by it."""
     trainer._loss_shifts_labels = bool(shifts)
+
+
+def reduce_item_count(trainer: Trainer, count, device):
+    """What upstream's ``_get_num_items_in_batch`` (which TricksTrainer overrides to count other items) does with
+    this process's count: the sum over processes (``average_tokens_across_devices``), the DataParallel and
+    tensor / context / sequence-parallel divisions."""
+    args = trainer.args
+    count = count.to(device)
+    if args.average_tokens_across_devices:
+        if args.world_size > 1:
+            count = trainer.accelerator.gather(count).sum()
+    elif args.n_gpu > 1:
+        count = count / args.n_gpu
+    if args.n_gpu > 1 and count.dim() == 0:
+        count = count.unsqueeze(0).expand(args.n_gpu, -1)
+    return count / (trainer.get_tp_size() * trainer.get_cp_size() * trainer.get_sp_size())

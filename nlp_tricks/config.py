@@ -8,6 +8,8 @@ from transformers import TrainingArguments
 
 from .adversarial import ADV_NORMS, validate_attack
 from .averaging import validate_ema_decay
+from .heads import validate_multi_sample_dropout
+from .losses import parse_class_weights
 
 __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
@@ -160,6 +162,49 @@ class TricksArguments(TrainingArguments):
         },
     )
 
+    # --- Heads and labels ---
+    crf: bool = field(
+        default=False,
+        metadata={
+            "help": "Train a linear-chain CRF over the word-level logits of a *ForTokenClassification model "
+            "(positions labelled -100 skipped) and predict with Viterbi. The CRF is saved with the model as `crf.*`; "
+            "load it with nlp_tricks.crf.load_crf_model. The loss is the negative log-likelihood summed over "
+            "sentences / the number of sentences in the whole accumulated batch."
+        },
+    )
+    crf_lr_scale: float = field(
+        default=100.0,
+        metadata={"help": "Learning-rate multiplier (> 0) of the CRF's start / end / transition scores."},
+    )
+    crf_bio_constraints: bool = field(
+        default=False,
+        metadata={
+            "help": "Forbid the transitions the BIO (IOB2) scheme does not allow, read from the label names: I-X only "
+            "after B-X or I-X, never first. Needs crf."
+        },
+    )
+    class_weights: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Per-class weights of the cross-entropy (loss_type 'ce' or 'label_smoothing'), one per label "
+            "(e.g. --class_weights 1 3 3), or 'balanced': n_samples / (n_classes * count) from the training labels. "
+            "The loss is a weighted mean like F.cross_entropy(weight=...), over the whole accumulated batch."
+        },
+    )
+    head_dropout_samples: int = field(
+        default=1,
+        metadata={
+            "help": "Multi-sample dropout (Inoue 2019): K >= 1 dropout masks on the features entering the "
+            "classification head; the loss is the mean of the K heads' losses. Off at evaluation. 1: off."
+        },
+    )
+    head_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Dropout probability in [0, 1) of each multi-sample dropout mask (with head_dropout_samples)."
+        },
+    )
+
     def __post_init__(self):
         # Mapped before the parent validates `warmup_steps`.
         if self.warmup_ratio is not None:
@@ -252,3 +297,26 @@ class TricksArguments(TrainingArguments):
                     "swa_last_k and ema_eval both choose the final weights; to average the raw checkpoints while "
                     "keeping an EMA, set ema_eval=False"
                 )
+
+        # --- Heads and labels ---
+        if self.crf_lr_scale <= 0:
+            raise ValueError(f"crf_lr_scale={self.crf_lr_scale} is not allowed; it must be > 0")
+        if self.crf_bio_constraints and not self.crf:
+            raise ValueError("crf_bio_constraints=True needs crf=True")
+        if self.crf and (self.loss_type != "ce" or self.label_smoothing_factor > 0 or self.temperature != 1.0):
+            raise ValueError(
+                "crf=True replaces the loss with the CRF's negative log-likelihood; use loss_type='ce', "
+                "label_smoothing_factor=0 and temperature=1.0 with it"
+            )
+        self.class_weights = parse_class_weights(self.class_weights, name="class_weights")
+        if self.class_weights is not None:
+            if self.crf:
+                raise ValueError("class_weights do not apply to crf=True (the CRF scores whole tag sequences)")
+            if self.loss_type not in ("ce", "label_smoothing"):
+                raise ValueError(
+                    f"class_weights apply to loss_type 'ce' or 'label_smoothing', not {self.loss_type!r}; focal loss "
+                    "takes its class weights from focal_alpha"
+                )
+        validate_multi_sample_dropout(
+            self.head_dropout_samples, self.head_dropout, names=("head_dropout_samples", "head_dropout")
+        )

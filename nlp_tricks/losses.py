@@ -21,6 +21,8 @@ __all__ = [
     "label_smoothing_cross_entropy",
     "cross_entropy",
     "distillation_loss",
+    "balanced_class_weights",
+    "parse_class_weights",
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
 ]
@@ -63,27 +65,44 @@ class _LogitStats(torch.autograd.Function):
 
     Every loss here is a function of these three ``(N,)`` tensors, so autograd works on O(N) values and the
     ``(N, C)`` gradient ``g_lse * softmax(x) + g_y * onehot(y) + g_mean / C`` is written into a single buffer; no
-    log-softmax is kept between forward and backward (see benchmarks/losses.py).
+    log-softmax is kept between forward and backward (see benchmarks/losses.py). With ``mean_weight`` (C,) the third
+    value is ``x @ mean_weight`` instead (a class-weighted mean).
     """
 
     @staticmethod
-    def forward(ctx, logits, labels):
+    def forward(ctx, logits, labels, mean_weight=None):
         lse = torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(logits, labels, lse)
-        return lse, logits.gather(1, labels.unsqueeze(1)).squeeze(1), logits.mean(dim=-1)
+        ctx.save_for_backward(logits, labels, lse, mean_weight)
+        mean = logits.mean(dim=-1) if mean_weight is None else logits @ mean_weight
+        return lse, logits.gather(1, labels.unsqueeze(1)).squeeze(1), mean
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_lse, grad_target, grad_mean):
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels, lse, mean_weight = ctx.saved_tensors
         grad = (logits - lse.unsqueeze(1)).exp_().mul_(grad_lse.unsqueeze(1))
-        grad.add_((grad_mean / logits.shape[-1]).unsqueeze(1))
+        if mean_weight is None:
+            grad.add_((grad_mean / logits.shape[-1]).unsqueeze(1))
+        else:
+            grad.addr_(grad_mean, mean_weight)
         grad.scatter_add_(1, labels.unsqueeze(1), grad_target.unsqueeze(1))
-        return grad, None
+        return grad, None, None
 
 
-def _logit_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _LogitStats.apply(logits, labels)
+def _logit_stats(
+    logits: torch.Tensor, labels: torch.Tensor, mean_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _LogitStats.apply(logits, labels, mean_weight)
+
+
+def _class_weight(weight, num_classes: int, like: torch.Tensor, name: str = "weight") -> torch.Tensor | None:
+    """Per-class weights as a float32 (C,) tensor on ``like``'s device (``None`` stays ``None``)."""
+    if weight is None:
+        return None
+    weight = torch.as_tensor(weight, dtype=torch.float32, device=like.device)
+    if weight.shape != (num_classes,):
+        raise ValueError(f"{name} must have one weight per class ({num_classes}), got shape {tuple(weight.shape)}")
+    return weight
 
 
 def focal_loss(
@@ -170,13 +189,14 @@ def label_smoothing_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     num_items_in_batch: torch.Tensor | int | None = None,
+    weight: torch.Tensor | list[float] | None = None,
 ) -> torch.Tensor:
     """Cross-entropy against ``(1 - epsilon) * one_hot(y) + epsilon / C``.
 
     Szegedy et al. 2016, https://arxiv.org/abs/1512.00567; Müller et al. 2019, https://arxiv.org/abs/1906.02629
 
-    Equals ``F.cross_entropy(logits, labels, label_smoothing=epsilon, ignore_index=...)`` for every reduction;
-    ignored items get no smoothing term either.
+    Equals ``F.cross_entropy(logits, labels, label_smoothing=epsilon, ignore_index=..., weight=...)`` for every
+    reduction; ignored items get no smoothing term either.
 
     Args:
         logits (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``.
@@ -184,17 +204,31 @@ def label_smoothing_cross_entropy(
         epsilon (`float`, defaults to 0.1): smoothing mass in [0, 1].
         ignore_index (`int`, defaults to -100): label value that contributes nothing.
         reduction (`str`, defaults to "mean"): "mean", "sum" or "none".
-        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``
+            (with ``weight``: the sum of the weights of the counted items of the whole batch).
+        weight (`torch.Tensor` or `list[float]`, *optional*): per-class weights (C,), as ``F.cross_entropy``'s
+            ``weight``: item ``i`` costs ``(1 - epsilon) w_{y_i} (-log p_{y_i}) + epsilon / C sum_c w_c (-log p_c)``
+            and the mean divides by ``sum_i w_{y_i}``.
     """
     if not 0.0 <= epsilon <= 1.0:
         raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
     labels_shape = labels.shape
     logits, labels = _flatten(logits, labels)
     valid = labels != ignore_index
-    lse, target, mean = _logit_stats(logits, torch.where(valid, labels, 0))
-    # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
-    loss = torch.where(valid, lse - (1.0 - epsilon) * target - epsilon * mean, 0.0)
-    return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
+    safe_labels = torch.where(valid, labels, 0)
+    weight = _class_weight(weight, logits.shape[-1], logits)
+    if weight is None:
+        lse, target, mean = _logit_stats(logits, safe_labels)
+        # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
+        loss = torch.where(valid, lse - (1.0 - epsilon) * target - epsilon * mean, 0.0)
+        return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
+    num_classes = logits.shape[-1]
+    lse, target, weighted_mean = _logit_stats(logits, safe_labels, weight / num_classes)
+    item_weight = torch.where(valid, weight[safe_labels], 0.0)
+    # sum_c w_c (-log p_c) / C = lse * sum(w) / C - (w . x) / C
+    smooth = lse * (weight.sum() / num_classes) - weighted_mean
+    loss = torch.where(valid, (1.0 - epsilon) * item_weight * (lse - target) + epsilon * smooth, 0.0)
+    return _reduce(loss, item_weight, labels_shape, reduction, num_items_in_batch)
 
 
 def cross_entropy(
@@ -204,14 +238,21 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     num_items_in_batch: torch.Tensor | int | None = None,
+    weight: torch.Tensor | list[float] | None = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy`` in float32 over ``(N, C)`` / ``(B, L, C)`` logits, with ``num_items_in_batch``."""
+    """``F.cross_entropy`` in float32 over ``(N, C)`` / ``(B, L, C)`` logits, with ``num_items_in_batch``.
+
+    With per-class ``weight`` (C,) the mean divides by the sum of the weights of the counted items, as
+    ``F.cross_entropy(weight=...)`` does; ``num_items_in_batch`` must then be that sum over the whole batch.
+    """
     labels_shape = labels.shape
     logits, labels = _flatten(logits, labels)
+    weight = _class_weight(weight, logits.shape[-1], logits)
     if num_items_in_batch is None:
-        loss = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+        loss = F.cross_entropy(logits, labels, weight=weight, ignore_index=ignore_index, reduction=reduction)
         return loss.reshape(labels_shape) if reduction == "none" else loss
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
+    loss = F.cross_entropy(logits, labels, weight=weight, ignore_index=ignore_index, reduction="sum")
+    return loss / num_items_in_batch
 
 
 def distillation_loss(
@@ -272,6 +313,65 @@ def distillation_loss(
     if num_items_in_batch is not None:
         return loss.sum() / num_items_in_batch
     return loss.sum() / valid.sum()
+
+
+def parse_class_weights(value, name: str = "class_weights") -> list[float] | str | None:
+    """Class weights as a user gives them (numbers, strings of numbers, or 'balanced', alone or in a one-item list)
+    -> a list of floats, the string ``"balanced"`` or ``None``. Raises ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    value = [value] if isinstance(value, str) else list(value)
+    if len(value) == 1 and isinstance(value[0], str) and value[0].strip().lower() == "balanced":
+        return "balanced"
+    try:
+        weights = [float(v) for v in value]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name}={value} is not allowed; give one number >= 0 per class (e.g. 1 3 3) or 'balanced'"
+        ) from None
+    if not weights or not all(0 <= w < float("inf") for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(
+            f"{name}={value} is not allowed; give one finite number >= 0 per class, not all 0, or 'balanced'"
+        )
+    return weights
+
+
+def balanced_class_weights(labels, num_classes: int, *, ignore_index: int = -100) -> list[float]:
+    """Inverse class frequencies ``n_samples / (n_classes * count_c)`` (scikit-learn's "balanced" weights).
+
+    Args:
+        labels: a tensor, or an iterable of class ids or of sequences of them (e.g. a dataset's ``labels`` column,
+            one list per sentence); ``ignore_index`` entries are not counted.
+        num_classes (`int`): C; ids must lie in ``[0, C)``.
+        ignore_index (`int`, defaults to -100): the id that marks items without a label.
+
+    Returns:
+        `list[float]`: one weight per class. A class that never occurs gets weight 0 (it is never a target).
+    """
+    if torch.is_tensor(labels):
+        flat = labels.reshape(-1).long()
+    else:
+        flat = torch.as_tensor(list(_flat_ids(labels)), dtype=torch.long)
+    flat = flat[flat != ignore_index]
+    if flat.numel() and (flat.min() < 0 or flat.max() >= num_classes):
+        raise ValueError(
+            f"labels must be class ids in [0, {num_classes}) or {ignore_index}; got {flat.min()}..{flat.max()}"
+        )
+    counts = torch.bincount(flat, minlength=num_classes).double()
+    if flat.numel() == 0:
+        raise ValueError("balanced class weights need at least one label; the labels hold none")
+    weights = torch.where(counts > 0, flat.numel() / (num_classes * counts), 0.0)
+    return weights.tolist()
+
+
+def _flat_ids(values):
+    for value in values:
+        if torch.is_tensor(value):
+            yield from value.reshape(-1).tolist()
+        elif isinstance(value, (list, tuple)):
+            yield from _flat_ids(value)
+        else:
+            yield int(value)
 
 
 class FocalLoss(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 from transformers.trainer_pt_utils import get_parameter_names
@@ -109,6 +109,7 @@ def build_param_groups(
     head_lr_scale: float = 1.0,
     layer_decay: float = 1.0,
     no_decay: Iterable[str] = NO_DECAY_PATTERNS,
+    module_lr_scales: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
 
@@ -122,11 +123,14 @@ def build_param_groups(
             embeddings) logs a warning.
         layer_decay (`float`, defaults to 1.0): layer-wise decay factor in (0, 1]; 1 disables it.
         no_decay (iterable of `str`): regex name patterns that get no weight decay (Trainer's by default).
+        module_lr_scales (`Mapping[str, float]`, *optional*): submodule name -> lr multiplier; that submodule's
+            parameters (e.g. ``{"crf": 100.0}`` for ``model.crf``) form their own groups, labelled with the name, at
+            ``learning_rate * scale`` (neither ``head_lr_scale`` nor ``layer_decay`` applies to them).
 
     Returns:
         `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
-        ``label`` ("head", "embeddings", "layer_<i>", "top", "body" or "peft") and ``names``. Every trainable parameter
-        is in exactly one group; frozen ones are in none.
+        ``label`` ("head", "embeddings", "layer_<i>", "top", "body", "peft" or a ``module_lr_scales`` name) and
+        ``names``. Every trainable parameter is in exactly one group; frozen ones are in none.
 
     Raises:
         ValueError: ``layer_decay != 1`` on a model whose layer stacks cannot be found (names the model class).
@@ -155,11 +159,19 @@ def build_param_groups(
             f"but none were found in {type(model).__name__}; use layer_decay=1.0 for this model"
         )
 
+    own_scale = {}
+    for module_name, scale in (module_lr_scales or {}).items():
+        if scale <= 0:
+            raise ValueError(f"module_lr_scales[{module_name!r}] must be > 0, got {scale}")
+        own_scale.update({id(p): (module_name, scale) for p in model.get_submodule(module_name).parameters()})
+
     groups: dict[tuple[str, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if id(param) not in inner_ids:  # added by PEFT around the model (prompt encoders)
+        if id(param) in own_scale:
+            label, scale = own_scale[id(param)]
+        elif id(param) not in inner_ids:  # added by PEFT around the model (prompt encoders)
             label, scale = "peft", 1.0
         elif id(param) in head_ids:
             label, scale = "head", head_lr_scale

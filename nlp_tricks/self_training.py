@@ -154,7 +154,10 @@ def classification_pseudo_labels(logits: Sequence[np.ndarray], confidence_thresh
 
 
 def ner_pseudo_labels(
-    token_logits: Sequence[np.ndarray], word_ids: Sequence[Sequence[int | None]], confidence_threshold: float = 0.0
+    token_logits: Sequence[np.ndarray],
+    word_ids: Sequence[Sequence[int | None]],
+    confidence_threshold: float = 0.0,
+    crf=None,
 ) -> PseudoLabels:
     """Word-level pseudo-labels from token logits; a sentence is kept if its least confident word clears the bar.
 
@@ -168,6 +171,8 @@ def ner_pseudo_labels(
         word_ids (`Sequence[Sequence[int | None]]`): per sentence, the word of each token (``None``: special token),
             as ``BatchEncoding.word_ids(i)`` gives it.
         confidence_threshold (`float`, defaults to 0.0): in [0, 1].
+        crf (`nlp_tricks.crf.CRF`, *optional*): the teacher's CRF; its Viterbi path over the words seen gives the
+            labels (the confidence stays the softmax of the word logits).
     """
     _check_threshold(confidence_threshold)
     confidence = np.full(len(token_logits), np.nan)
@@ -189,6 +194,11 @@ def ner_pseudo_labels(
             word_logits[word] = logits[position]
         confidence[n] = _max_probability(logits[list(first.values())]).min()
         labels = [int(np.argmax(row)) if word in first else None for word, row in enumerate(word_logits)]
+        if crf is not None:
+            seen = sorted(first)
+            path = crf.decode(torch.as_tensor(word_logits[seen], dtype=torch.float32)[None])[0]
+            for word, tag in zip(seen, path):
+                labels[word] = tag
         per_sentence.append((labels, word_logits))
     keep = [n for n in range(len(token_logits)) if confidence[n] >= confidence_threshold]  # NaN never passes
     return PseudoLabels(

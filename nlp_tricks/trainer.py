@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import weakref
 from collections import defaultdict
 
 import torch
@@ -31,7 +32,10 @@ from .averaging import (  # --- Weight averaging ---
     write_averaging_info,
 )
 from .config import TricksArguments
+from .crf import CRF, add_crf, compact, expand  # --- Heads and labels ---
+from .heads import MultiSampleDropout
 from .losses import (
+    balanced_class_weights,
     cross_entropy,
     distillation_loss,
     focal_alpha_weights,
@@ -40,7 +44,7 @@ from .losses import (
 )
 from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
-from .param_groups import build_param_groups
+from .param_groups import NO_DECAY_PATTERNS, build_param_groups
 from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 
 __all__ = ["TricksTrainer"]
@@ -65,6 +69,11 @@ class TricksTrainer(Trainer):
       plain Trainer (and refuses the loss tricks it would replace). See docs/compatibility.md.
       For causal LMs (PEFT-wrapped ones too) every loss scores the logits at position t against the label at
       t + 1 (or the collator's ``shift_labels``), as the model's own loss does; the item count is over those labels.
+    - Heads and labels (docs/heads.md): ``crf`` attaches a CRF (``model.crf``) whose negative log-likelihood over
+      the labelled positions is the loss (per sentence) and whose Viterbi paths are the predictions (one-hot scores
+      from :meth:`prediction_step`); ``class_weights`` weigh ``ce`` / ``label_smoothing`` like
+      ``F.cross_entropy(weight=)``; ``head_dropout_samples`` averages the losses of K dropout masks on the head's
+      input. Their item counts (sentences, weight sums) replace the token count in ``num_items_in_batch``.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
@@ -104,11 +113,16 @@ class TricksTrainer(Trainer):
                 f"TricksTrainer needs TricksArguments (a TrainingArguments subclass), got {type(args).__name__}; "
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
+        self._msd: MultiSampleDropout | None = None  # --- Heads and labels ---
+        self._crf_hook: _CRFLossHook | None = None
+        if model is not None:
+            self._prepare_heads(model, args)
         super().__init__(model, args, *positional, **kwargs)
         # --- Drop-in compatibility ---
         self._check_compute_loss_func()
         self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
         self._warned: set[str] = set()
+        self._class_weights = self._resolve_class_weights()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
         # --- Causal LM ---
@@ -224,21 +238,35 @@ class TricksTrainer(Trainer):
                 loss = loss * labels.ne(-100).sum() / num_items
         else:
             self._add_decoder_input_ids(model, inputs, labels)
-            outputs = self.forward_for_loss(model, inputs, labels)
-            logits = output_logits(outputs)
-            if teacher_logits is not None:
-                loss = distillation_loss(
-                    logits,
-                    teacher_logits,
-                    loss_labels,
-                    temperature=self.args.distill_temperature,
-                    alpha=self.args.distill_alpha,
-                    num_items_in_batch=num_items,
-                )
+            if teacher_logits is not None and (self.args.crf or self._class_weights is not None):
+                raise ValueError("crf and class_weights do not apply to batches with teacher_logits (distillation)")
+            if self._crf_hook is not None:
+                # The CRF's loss is computed inside the model's forward (a hook), as a built-in CRF head would, so
+                # DDP / FSDP see its scores used by the forward; the outputs come back with that loss.
+                with self._crf_hook.computing(loss_labels, num_items):
+                    outputs = self.forward_for_loss(model, inputs, labels)
+                loss = output_loss(outputs)
             else:
-                loss = self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items)
-            if return_outputs:
-                outputs = self._outputs_with_loss(outputs, loss)
+                outputs = self.forward_for_loss(model, inputs, labels)
+                # Multi-sample dropout: the mean of the K heads' losses (the returned logits are the first head's).
+                losses = []
+                for logits in self._head_samples(output_logits(outputs)):
+                    if teacher_logits is not None:
+                        losses.append(
+                            distillation_loss(
+                                logits,
+                                teacher_logits,
+                                loss_labels,
+                                temperature=self.args.distill_temperature,
+                                alpha=self.args.distill_alpha,
+                                num_items_in_batch=num_items,
+                            )
+                        )
+                    else:
+                        losses.append(self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items))
+                loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+                if return_outputs:
+                    outputs = self._outputs_with_loss(outputs, loss)
         if num_items is not None:
             loss = loss * self._loss_scale_for_devices()
         return (loss, outputs) if return_outputs else loss
@@ -282,6 +310,8 @@ class TricksTrainer(Trainer):
     ) -> torch.Tensor:
         """The configured loss on ``logits / temperature`` (float32): a mean, or ``sum / num_items_in_batch``."""
         args = self.args
+        if args.crf:
+            return self.crf_loss(logits, labels, num_items_in_batch=num_items_in_batch)
         if args.temperature != 1.0:
             logits = logits / args.temperature
         if args.loss_type == "focal":
@@ -294,9 +324,13 @@ class TricksTrainer(Trainer):
             )
         if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
             return label_smoothing_cross_entropy(
-                logits, labels, epsilon=args.label_smoothing_factor, num_items_in_batch=num_items_in_batch
+                logits,
+                labels,
+                epsilon=args.label_smoothing_factor,
+                num_items_in_batch=num_items_in_batch,
+                weight=self._class_weights,
             )
-        return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch)
+        return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch, weight=self._class_weights)
 
     def _focal_alpha(self) -> list[float] | None:
         """``args.focal_alpha``, one weight per class of the model (:func:`~nlp_tricks.losses.focal_alpha_weights`)."""
@@ -352,6 +386,13 @@ class TricksTrainer(Trainer):
             tricks.append(f"label_smoothing_factor={args.label_smoothing_factor}")
         if args.temperature != 1.0:
             tricks.append(f"temperature={args.temperature}")
+        # --- Heads and labels ---
+        if args.crf:
+            tricks.append("crf=True")
+        if args.class_weights is not None:
+            tricks.append(f"class_weights={args.class_weights!r}")
+        if args.head_dropout_samples > 1 or args.head_dropout > 0:
+            tricks.append(f"head_dropout_samples={args.head_dropout_samples}, head_dropout={args.head_dropout}")
         return tricks
 
     def _check_compute_loss_func(self) -> None:
@@ -474,16 +515,134 @@ class TricksTrainer(Trainer):
             return (loss, *outputs)
         return (loss, outputs)
 
+    # --- Heads and labels -------------------------------------------------------------------------------------------
+
+    def _prepare_heads(self, model: nn.Module, args: TricksArguments) -> None:
+        """Attach the CRF (``model.crf``) and the multi-sample dropout hooks the arguments ask for."""
+        if args.crf:
+            add_crf(model, bio_constraints=args.crf_bio_constraints)
+            if self._crf_hook is not None:
+                self._crf_hook.remove()
+            self._crf_hook = _CRFLossHook(self, model)
+        if args.head_dropout_samples > 1 or args.head_dropout > 0:
+            if self._msd is not None:
+                self._msd.remove()
+            self._msd = MultiSampleDropout.attach(model, args.head_dropout_samples, args.head_dropout)
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        self._prepare_heads(model, self.args)
+        return model
+
+    def _head_samples(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """The logits of each multi-sample dropout head of the last forward (just ``[logits]`` without it)."""
+        samples = self._msd.take() if self._msd is not None else None
+        if samples is None:
+            return [logits]
+        if samples.shape[1:] != logits.shape:
+            raise ValueError(
+                f"head_dropout_samples: the head's output {tuple(samples.shape[1:])} is not the model's logits "
+                f"{tuple(logits.shape)}; multi-sample dropout needs a model that returns its head's output as logits"
+            )
+        return list(samples.unbind(0))
+
+    def crf_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The CRF's negative log-likelihood of the word-level tags (positions labelled -100 skipped), summed over
+        sentences and divided by ``num_items_in_batch`` (sentences with a label in the whole batch; without it the
+        mean over this batch's sentences)."""
+        if logits.dim() != 3 or labels.dim() != 2:
+            raise ValueError(
+                f"crf needs token classification logits (batch, length, num_labels) and labels (batch, length); got "
+                f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+            )
+        emissions, tags, lengths, _ = compact(logits, labels)
+        nll = -self.model.crf.log_likelihood_lengths(emissions, tags, lengths).sum()
+        if num_items_in_batch is None:
+            return nll / (lengths > 0).sum().clamp(min=1)
+        return nll / num_items_in_batch
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Upstream's step; with ``crf`` the logits returned are the Viterbi paths as one-hot scores at the labelled
+        positions (argmax of the logits elsewhere), so argmax-based metrics score the paths."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self.args.crf and logits is not None:
+            if isinstance(logits, (tuple, list)):
+                logits = type(logits)([self._viterbi_one_hot(logits[0], inputs)] + list(logits[1:]))
+            else:
+                logits = self._viterbi_one_hot(logits, inputs)
+        return loss, logits, labels
+
+    def _viterbi_one_hot(self, logits: torch.Tensor, inputs: dict) -> torch.Tensor:
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError(
+                "crf prediction decodes the labelled positions (each word's first sub-token), so the batch needs "
+                "`labels` (any tag id there, -100 elsewhere); for raw text call model.crf.decode(logits, word_mask)"
+            )
+        labels = labels.to(logits.device)
+        emissions, _, lengths, order = compact(logits, labels)
+        paths = self.model.crf.viterbi_lengths(emissions, lengths)
+        tags = expand(paths, order, lengths.to(logits.device), logits.argmax(dim=-1))
+        return torch.nn.functional.one_hot(tags, logits.shape[-1]).to(logits.dtype)
+
+    def _resolve_class_weights(self) -> torch.Tensor | None:
+        """``args.class_weights`` as a float32 (C,) tensor; 'balanced' is computed from the training labels."""
+        weights = self.args.class_weights
+        if weights is None:
+            return None
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        num_labels = getattr(config, "num_labels", None)
+        if weights == "balanced":
+            labels = _dataset_labels(self.train_dataset)
+            if labels is None or num_labels is None:
+                raise ValueError(
+                    "class_weights='balanced' counts the `labels` of the training dataset and needs the model's "
+                    "config.num_labels; pass train_dataset (with a `labels` column) or give the weights as numbers"
+                )
+            weights = balanced_class_weights(labels, num_labels)
+            logger.info(f"class_weights='balanced': {[round(w, 4) for w in weights]}")
+        elif num_labels is not None and len(weights) != num_labels:
+            id2label = getattr(config, "id2label", None) or {}
+            order = ", ".join(f"{i}={id2label.get(i, i)}" for i in range(num_labels))
+            raise ValueError(
+                f"class_weights has {len(weights)} weights for {num_labels} classes; give one weight per class in "
+                f"this order: {order}"
+            )
+        return torch.tensor(weights, dtype=torch.float32, device=self.args.device)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        """Upstream counts labelled tokens; with ``crf`` an item is a sentence with a label, and with
+        ``class_weights`` a token weighs its class's weight, so each loss's divisor is its own item count (or weight
+        sum) over the whole accumulated, all-process batch, as F.cross_entropy(weight=...) over that batch."""
+        labels = [batch.get("labels") for batch in batch_samples]
+        counted = (self.args.crf or self._class_weights is not None) and labels
+        if not counted or not all(torch.is_tensor(x) and not x.is_floating_point() for x in labels):
+            return super()._get_num_items_in_batch(batch_samples, device)
+        if self.loss_shifts_labels:  # causal LMs: position t is scored against label t + 1
+            labels = [x[..., 1:] for x in labels]
+        if self.args.crf:
+            count = sum(x.ne(-100).any(dim=-1).sum() for x in labels)
+        else:
+            weight = self._class_weights.to(device)
+            count = sum(weight[x.to(device).clamp(min=0)].mul(x.to(device).ne(-100)).sum() for x in labels)
+        return _upstream.reduce_item_count(self, count, device)
+
     # ---- Optimizer -------------------------------------------------------------------------------------------------
 
     def build_optimizer_groups(self, model: nn.Module) -> list[dict]:
         """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups` and the arguments."""
+        crf = self.args.crf and isinstance(getattr(model, "crf", None), CRF)
         groups = build_param_groups(
             model,
             learning_rate=self.args.learning_rate,
             weight_decay=self.args.weight_decay,
             head_lr_scale=self.args.head_lr_scale,
             layer_decay=self.args.layer_decay,
+            # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
+            no_decay=NO_DECAY_PATTERNS + ((r"^crf\.",) if crf else ()),
+            module_lr_scales={"crf": self.args.crf_lr_scale} if crf else None,
         )
         for group in groups:
             group.pop("names")
@@ -741,3 +900,48 @@ class TricksTrainer(Trainer):
         elif self.ema is not None and args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             # The best checkpoint's raw weights are loaded upstream; its EMA goes with them.
             self.ema.load(os.path.join(self.state.best_model_checkpoint, EMA_STATE_NAME))
+
+
+def _dataset_labels(dataset):
+    """The ``labels`` of every item of a map-style dataset (a ``datasets.Dataset`` column at once), or ``None``."""
+    if dataset is None:
+        return None
+    if "labels" in (getattr(dataset, "column_names", None) or ()):
+        return dataset["labels"]
+    try:
+        return [dataset[i]["labels"] for i in range(len(dataset))]
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None
+
+
+class _CRFLossHook:
+    """A forward hook on the model that fills ``outputs.loss`` with the CRF loss while :meth:`computing` is open.
+
+    It holds the trainer weakly: ``copy.deepcopy(model)`` copies the hook, not the trainer.
+    """
+
+    def __init__(self, trainer: TricksTrainer, model: nn.Module):
+        self._trainer = weakref.ref(trainer)
+        self._pending = None
+        self._handle = model.register_forward_hook(self)
+
+    @contextlib.contextmanager
+    def computing(self, labels: torch.Tensor, num_items_in_batch):
+        self._pending = (labels, num_items_in_batch)
+        try:
+            yield
+        finally:
+            self._pending = None
+
+    def __call__(self, module: nn.Module, args: tuple, outputs):
+        trainer = self._trainer()
+        if self._pending is None or trainer is None:
+            return None
+        labels, num_items = self._pending
+        self._pending = None  # one forward per request (a nested call of the same model stays plain)
+        samples = trainer._head_samples(output_logits(outputs))
+        losses = [trainer.crf_loss(logits, labels, num_items_in_batch=num_items) for logits in samples]
+        return trainer._outputs_with_loss(outputs, losses[0] if len(losses) == 1 else torch.stack(losses).mean())
+
+    def remove(self) -> None:
+        self._handle.remove()

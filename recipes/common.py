@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer, HfArgumentParser
 
-from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
+from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
+from nlp_tricks.crf import add_crf, bio_constraints, load_crf_model
 from nlp_tricks.data import DataError, check_labels, demo_model_path, kfold_examples, label_list, split_examples
 from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.resume import get_last_complete_checkpoint
@@ -332,12 +333,27 @@ def labelled_splits(
 
 
 def check_label_arguments(training_args, labels: list[str]) -> None:
-    """Arguments that depend on the labels (``--focal_alpha``) checked before any model loads: one line if wrong."""
+    """Arguments that depend on the labels (``--focal_alpha``, ``--class_weights``, ``--crf_bio_constraints``)
+    checked before any model loads: one line if wrong."""
     if getattr(training_args, "focal_alpha", None) is not None:
         try:
             focal_alpha_weights(training_args.focal_alpha, labels)
         except ValueError as err:
             raise DataError(None, None, f"--focal_alpha: {err}") from err
+    weights = getattr(training_args, "class_weights", None)
+    if isinstance(weights, list) and len(weights) != len(labels):
+        order = ", ".join(f"{i}={name}" for i, name in enumerate(labels))
+        raise DataError(
+            None,
+            None,
+            f"--class_weights: {len(weights)} weights for {len(labels)} classes; give one per class in this order: "
+            f"{order} (or 'balanced')",
+        )
+    if getattr(training_args, "crf_bio_constraints", False):
+        try:
+            bio_constraints(labels)
+        except ValueError as err:
+            raise DataError(None, None, f"--crf_bio_constraints: {err}") from err
 
 
 # ---- Model --------------------------------------------------------------------------------------------------------
@@ -416,12 +432,26 @@ def load_classifier(auto_cls, model_args: ModelArguments, labels: list[str], mod
 def load_weights(
     auto_cls, model_name_or_path: str, config, trust_remote_code: bool = False, ignore_mismatched_sizes: bool = False
 ):
-    """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights."""
+    """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights.
+
+    A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it.
+    """
     if is_state_dict_file(model_name_or_path):
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
-        load_state_dict_portable(model, model_name_or_path)
+        state = read_state_dict(model_name_or_path)
+        if any(key == "crf.transitions" or key.endswith(".crf.transitions") for key in state):
+            add_crf(model)
+        load_state_dict_portable(model, state)
         return model
+    if getattr(config, "crf", False) and auto_cls is AutoModelForTokenClassification:
+        with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
+            return load_crf_model(
+                model_name_or_path,
+                config=config,
+                trust_remote_code=trust_remote_code,
+                ignore_mismatched_sizes=ignore_mismatched_sizes,
+            )
     with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
         return auto_cls.from_pretrained(
             model_name_or_path,

@@ -27,6 +27,11 @@ Features:
   type, from the ``evaluate`` module shipped in ``nlp_tricks/metrics/seqeval_f1`` (works offline).
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
+- ``--crf true``: a CRF over the word-level logits (docs/heads.md); metrics and ``test_predictions.txt`` come from
+  its Viterbi paths, and the saved model carries it (``--model_name_or_path outputs/ner`` loads it back).
+  ``--crf_bio_constraints true`` needs BIO (IOB2) training tags: an ``I-`` tag that opens an entity is a
+  ``file:line`` error. ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
+  labels; ``--class_weights 1 3 ...`` gives one weight per tag (in the label order the error message lists).
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
@@ -51,7 +56,8 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import demo_ner, read_ner_file, subtoken_tags
+from nlp_tricks.crf import bio_violation
+from nlp_tricks.data import DataError, demo_ner, read_ner_file, subtoken_tags
 from nlp_tricks.metrics import load_metric
 
 from common import (
@@ -85,6 +91,13 @@ RECIPE_DEFAULTS = {
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
+# Added to the ablation runner's common configurations (recipes/ablation.py).
+ABLATION_CONFIGURATIONS = {
+    "crf": ["--crf", "true"],
+    "crf_bio": ["--crf", "true", "--crf_bio_constraints", "true"],
+    "class_weights": ["--class_weights", "balanced"],
+    "multi_sample_dropout": ["--head_dropout_samples", "5", "--head_dropout", "0.5"],
+}
 
 
 @dataclass
@@ -331,6 +344,19 @@ def ner_truncation_record(
     return record
 
 
+def check_bio(examples: list[dict], source: str) -> None:
+    """With ``--crf_bio_constraints`` every training sentence must be valid BIO (IOB2): one ``file:line`` error if
+    not (a forbidden gold path would cost the CRF a score of -10,000)."""
+    for ex in examples:
+        violation = bio_violation(ex["ner_tags"])
+        if violation is not None:
+            i, why = violation
+            line = (ex.get("tag_lines") or [ex.get("line")] * (i + 1))[i]
+            raise DataError(
+                source, line, f"--crf_bio_constraints: {why}; convert IOB1 tags to IOB2 or drop the constraints"
+            )
+
+
 # ---- The recipe ---------------------------------------------------------------------------------------------------
 
 
@@ -361,6 +387,8 @@ def main() -> None:
     # With --tag_names, id i is the i-th name (as in the files); otherwise the training tags, sorted.
     labels, train_examples, eval_examples = labelled_splits(splits, "ner_tags", data_args, data_args.tag_names)
     check_label_arguments(training_args, labels)
+    if training_args.crf_bio_constraints:
+        check_bio(train_examples, splits["train"][1])
     label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 

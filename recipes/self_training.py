@@ -315,8 +315,9 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
     return trainer.model, trainer.accelerator, metrics
 
 
-def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc):
-    """The teacher's pseudo-labels for the unlabelled examples (every process gets all of them)."""
+def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc, crf=None):
+    """The teacher's pseudo-labels for the unlabelled examples (every process gets all of them); NER with a ``crf``
+    labels each sentence with its Viterbi path."""
     dataset, word_ids = tokenize_unlabeled(task, unlabeled, tokenizer, data.max_seq_length)
     logits = predict_logits(
         model,
@@ -327,7 +328,7 @@ def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold
         desc=desc,
     )
     if task == "ner":
-        return ner_pseudo_labels(logits, word_ids, threshold)
+        return ner_pseudo_labels(logits, word_ids, threshold, crf=crf)
     return classification_pseudo_labels(logits, threshold)
 
 
@@ -457,6 +458,7 @@ def run_round(r: int, task, teacher: dict, data, data_args, st_args, model_args,
         st_args.confidence_threshold,
         training_args.per_device_eval_batch_size,
         desc=f"round {r}: pseudo-labelling",
+        crf=getattr(teacher["model"], "crf", None) if training_args.crf else None,
     )
     pseudo_ex = pseudo_examples(task, data["unlabeled"], pseudo, labels)
     pseudo_stats = {
@@ -505,6 +507,14 @@ def main() -> None:
     # ---- Data: read everything (and fail on bad input) before any training ----
     data = setup_data(data_args)
     check_label_arguments(training_args, data["labels"])
+    if training_args.crf and task != "ner":
+        raise DataError(None, None, "--crf true is for --task ner (a CRF over the words of a sentence)")
+    if st_args.soft_labels and (training_args.crf or training_args.class_weights is not None):
+        raise DataError(
+            None,
+            None,
+            "--soft_labels true distils per-token logits; it does not combine with --crf or --class_weights",
+        )
 
     # ---- Round 1's teacher on the labelled data, then teacher -> student rounds ----
     teacher = train_teacher(task, data, data_args, model_args, training_args, out)

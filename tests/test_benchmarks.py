@@ -39,3 +39,15 @@ def test_ema_benchmark_quick_json():
     assert rows[("plain", "plain")]["ratio"] == 1.0
     assert {("ema", "plain"), ("classic ema", "plain"), ("EMA.update", "classic update")} <= set(rows)
     assert all(r["median_ms"] > 0 for r in rows.values())
+
+
+@pytest.mark.slow
+def test_crf_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "crf.py"), "--quick", "--json"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    cases = [r["case"].split()[0] for r in rows]
+    assert cases == ["nll+backward", "viterbi", "ner_step_crf"]
+    assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
