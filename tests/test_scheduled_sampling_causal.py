@@ -380,12 +380,23 @@ def test_causal_fgm_with_scheduled_sampling_equals_fgm_on_the_mixed_input(tmp_pa
         assert torch.equal(ours.get_parameter(n), p), n
 
 
-def test_seq2seq_fgm_with_scheduled_sampling_equals_fgm_on_the_mixed_input(tmp_path):
-    from test_seq2seq_scheduled_sampling import _reference_mixed_ids
+def seq2seq_reference_mixed_ids(model, batch):
+    """Plain loops: decoder position t >= 1 gets the argmax predicted at t - 1 when labels t and t - 1 are set."""
+    labels = batch["labels"]
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    with torch.no_grad():
+        predicted = model(**_inputs(batch), decoder_input_ids=decoder_input_ids).logits.argmax(-1)
+    mixed = decoder_input_ids.clone()
+    for b in range(labels.shape[0]):
+        for t in range(1, labels.shape[1]):
+            if labels[b, t] != -100 and labels[b, t - 1] != -100:
+                mixed[b, t] = predicted[b, t - 1]
+    return mixed
 
+
+def test_seq2seq_fgm_with_scheduled_sampling_equals_fgm_on_the_mixed_input(tmp_path):
     base, data = bart_lm(), seq2seq_data(n=8)
-    batch = _batch(data)
-    mixed = _reference_mixed_ids(base, batch, base.prepare_decoder_input_ids_from_labels(labels=batch["labels"]))
+    mixed = seq2seq_reference_mixed_ids(base, _batch(data))
     ref, ours = copy.deepcopy(base), copy.deepcopy(base)
     common = dict(adversarial="fgm", adv_epsilon=5.0, **_sgd())
     train = _with_ids(data, mixed, key="decoder_input_ids")
