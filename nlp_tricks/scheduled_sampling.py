@@ -13,7 +13,9 @@ wire them.
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,7 +159,9 @@ def draw_predictions(
     guess for the token at ``t``, i.e. for the gold token it replaces.
 
     Args:
-        logits (`torch.Tensor` of shape `(B, L, V)`): pass-1 logits (detached here).
+        logits (`torch.Tensor`): pass-1 logits (detached here), of shape `(B, L, V)`; or `(n, V)`: only the rows
+            ``logits[:, t - 1]`` of the ``n`` replaced positions ``t``, in row-major order (what a model returns for
+            ``logits_to_keep=`` those positions).
         mask (`torch.BoolTensor` of shape `(B, L)`): where to replace.
         mode (`str`, defaults to ``"argmax"``): ``"argmax"`` (greedy prediction), ``"sample"`` (a sample from
             ``softmax(logits / temperature)``) or ``"soft"`` (the probabilities ``softmax(logits / temperature)``,
@@ -166,16 +170,26 @@ def draw_predictions(
         generator (`torch.Generator`, *optional*): random source of ``"sample"``.
     """
     validate_mixing(mode, temperature)
-    if logits.shape[:2] != mask.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and mask {tuple(mask.shape)} must agree on (batch, length)")
-    # The prediction fed at t is made at t - 1: positions 0..L-2, and only where the mask replaces.
-    previous = logits[:, :-1].detach()
     replace = mask[:, 1:]
-    if mode == "argmax":
+    if logits.dim() == 2:
+        if logits.shape[0] != int(replace.sum()):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} hold one row per replaced position, but mask replaces "
+                f"{int(replace.sum())}"
+            )
+        rows = logits.detach()
+    elif logits.shape[:2] != mask.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and mask {tuple(mask.shape)} must agree on (batch, length)")
+    elif mode == "argmax":
         # One read of the logits; gathering the replaced rows first would copy them.
-        return ScheduledSamplingDraw(mask, mode, previous.argmax(dim=-1)[replace])
+        return ScheduledSamplingDraw(mask, mode, logits[:, :-1].detach().argmax(dim=-1)[replace])
+    else:
+        # The prediction fed at t is made at t - 1: positions 0..L-2, and only where the mask replaces.
+        rows = logits[:, :-1].detach()[replace]
+    if mode == "argmax":
+        return ScheduledSamplingDraw(mask, mode, rows.argmax(dim=-1))
     # Softmax (and sampling) over the replaced rows only: at ratio r, a fraction 1 - r of the labelled positions.
-    probs = torch.softmax(previous[replace].float() / temperature, dim=-1)
+    probs = torch.softmax(rows.float() / temperature, dim=-1)
     if mode == "soft":
         return ScheduledSamplingDraw(mask, mode, probs)
     return ScheduledSamplingDraw(mask, mode, _sample(probs, generator))
@@ -335,8 +349,7 @@ def causal_scheduled_sampling_forward(
     if draw is None and ratio < 1.0:
         mask = causal_replacement_mask(labels, ratio, generator=generator, shift_labels=inputs.get("shift_labels"))
         with torch.no_grad():
-            # No key/value cache: pass 1 is read once, its predictions are all it gives.
-            logits = output_logits(model(**{"use_cache": False, **inputs}))
+            logits = _pass1_logits(model, inputs, mask)
             draw = draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
             del logits
     if draw is None:
@@ -347,3 +360,41 @@ def causal_scheduled_sampling_forward(
         rest = {key: value for key, value in inputs.items() if key != "input_ids"}
         outputs = forward(**rest, **mixed)
     return (outputs, draw) if return_draw else outputs
+
+
+def _pass1_logits(model: nn.Module, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Pass 1's logits: ``(n, V)`` at the positions whose prediction is fed (``t - 1`` of each replaced ``t``) when
+    the model computes them alone (``logits_to_keep`` with a boolean mask), else all ``(B, L, V)``.
+
+    The vocabulary projection is then paid for the replaced positions only: not for the prompt, nor for the
+    completion tokens the draw keeps gold. No key/value cache: pass 1 is read once.
+    """
+    kwargs = {"use_cache": False, **inputs}
+    if _takes_boolean_logits_to_keep(model):
+        keep = torch.zeros_like(mask)
+        keep[:, :-1] = mask[:, 1:]
+        logits = output_logits(model(**kwargs, logits_to_keep=keep))
+        if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
+            return logits
+        _FULL_LOGITS.add(type(model))  # not what slice_logits_to_keep gives: never again
+    return output_logits(model(**kwargs))
+
+
+# Causal-LM classes whose forward turned out not to return the boolean logits_to_keep rows.
+_FULL_LOGITS: set[type] = set()
+
+
+def _takes_boolean_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model``'s forward slices its hidden states with transformers' ``slice_logits_to_keep`` (which takes a
+    boolean ``(B, L)`` mask and returns the kept rows flattened)."""
+    from transformers import modeling_utils
+    from transformers.trainer_utils import unwrap_peft_model
+
+    base = unwrap_peft_model(model)
+    helper = getattr(modeling_utils, "slice_logits_to_keep", None)
+    forward = type(base).forward
+    if helper is None or type(model) in _FULL_LOGITS:
+        return False
+    if "logits_to_keep" not in inspect.signature(forward).parameters:
+        return False
+    return getattr(sys.modules.get(forward.__module__), "slice_logits_to_keep", None) is helper

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, default_data_collator
+from transformers.modeling_utils import slice_logits_to_keep
 
 from nlp_tricks import FGM, TricksArguments, TricksTrainer
 from nlp_tricks.scheduled_sampling import (
@@ -168,6 +169,45 @@ def test_ratio_zero_feeds_exactly_the_pass1_predictions_at_completion_positions(
     assert ref_grads.keys() == grads.keys()
     for n, g in ref_grads.items():
         assert torch.equal(grads[n], g), n
+
+
+@pytest.mark.parametrize("name", list(CAUSAL))
+def test_pass1_projects_only_the_positions_it_feeds(name):
+    """Pass 1 asks the model for the logits at t - 1 of each replaced t only (logits_to_keep): the vocabulary
+    projection sees one row per replaced position, the prompt and the tokens kept gold cost nothing there."""
+    model = CAUSAL[name]()
+    batch = _batch(causal_data())
+    rows = []
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: None if torch.is_grad_enabled() else rows.append(out.shape)
+    )
+    generator = torch.Generator().manual_seed(5)
+    mask = causal_replacement_mask(batch["labels"], 0.5, generator=torch.Generator().manual_seed(5))
+    causal_scheduled_sampling_forward(model, _inputs(batch), batch["labels"], 0.5, generator=generator)
+    assert rows == [torch.Size([int(mask.sum()), VOCAB])]
+
+
+class GPT2IgnoringLogitsToKeep(GPT2LMHeadModel):
+    """Claims logits_to_keep (its module imports slice_logits_to_keep) but returns every position's logits."""
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        assert slice_logits_to_keep is not None
+        return super().forward(*args, **kwargs)
+
+
+def test_models_that_do_not_slice_the_logits_get_a_full_pass1():
+    model = GPT2IgnoringLogitsToKeep(gpt2_lm().config)
+    model.load_state_dict(gpt2_lm().state_dict())
+    assert is_causal_lm(model)
+    batch = _batch(causal_data())
+    expected = reference_mixed_ids(model, batch)
+    seen = ModelInputs(model)
+    causal_scheduled_sampling_forward(model, _inputs(batch), batch["labels"], 0.0)
+    assert torch.equal(seen.grad[0], expected)
+    assert len(seen.no_grad) == 2  # the sliced call came back whole: pass 1 again, with all logits
+    seen.no_grad.clear()
+    causal_scheduled_sampling_forward(model, _inputs(batch), batch["labels"], 0.0)
+    assert len(seen.no_grad) == 1  # and from then on directly
 
 
 @pytest.mark.parametrize("name", list(CAUSAL))
