@@ -373,7 +373,7 @@ def _pass1_logits(model: nn.Module, inputs: dict[str, torch.Tensor], mask: torch
     if _takes_boolean_logits_to_keep(model):
         keep = torch.zeros_like(mask)
         keep[:, :-1] = mask[:, 1:]
-        logits = output_logits(model(**kwargs, logits_to_keep=keep))
+        logits = output_logits(model(**{**kwargs, "logits_to_keep": keep}))
         if logits.dim() == 2 and logits.shape[0] == int(keep.sum()):
             return logits
         _FULL_LOGITS.add(type(model))  # not what slice_logits_to_keep gives: never again
