@@ -36,7 +36,6 @@ __all__ = [
     "mix_inputs",
     "causal_replacement_mask",
     "causal_scheduled_sampling_forward",
-    "is_causal_lm",
 ]
 
 SCHEDULES = ("constant", "linear", "exponential", "inverse_sigmoid")
@@ -250,19 +249,6 @@ def mix_inputs(
 
 
 # ---- Decoder-only (causal) models ---------------------------------------------------------------------------------
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` (PEFT-wrapped or not) is a decoder-only LM whose loss shifts labels, decided as upstream
-    ``Trainer`` does: its class, or a class it derives from, is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from transformers.trainer_utils import unwrap_peft_model
-
-    model = unwrap_peft_model(model)
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return False
-    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    return any(cls.__name__ in names for cls in type(model).__mro__)
 
 
 def causal_replacement_mask(

@@ -46,7 +46,6 @@ from .scheduled_sampling import (  # --- Scheduled sampling ---
     ScheduledSampler,
     ScheduledSamplingDraw,
     causal_scheduled_sampling_forward,
-    is_causal_lm,
 )
 
 __all__ = ["TricksTrainer"]
@@ -770,8 +769,9 @@ class TricksTrainer(Trainer):
     # ---- Scheduled sampling ----------------------------------------------------------------------------------------
 
     def _check_scheduled_sampling_model(self, model: nn.Module) -> None:
-        """Raise if ``model`` is not one :meth:`scheduled_sampling_passes` can run (here: a causal LM)."""
-        if not is_causal_lm(model):
+        """Raise if ``model`` is not one :meth:`scheduled_sampling_passes` can run (here: a causal LM, i.e. a model
+        whose loss shifts labels, as :attr:`loss_shifts_labels` decides it)."""
+        if not self.loss_shifts_labels:
             seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
             hint = " (for encoder-decoder models use Seq2SeqTricksTrainer)" if seq2seq else ""
             raise ValueError(

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, default_data_collator
+from transformers import GPT2LMHeadModel, default_data_collator
 from transformers.modeling_utils import slice_logits_to_keep
 
 from nlp_tricks import FGM, TricksArguments, TricksTrainer
@@ -13,35 +13,16 @@ from nlp_tricks.scheduled_sampling import (
     causal_replacement_mask,
     causal_scheduled_sampling_forward,
     draw_predictions,
-    is_causal_lm,
 )
 from nlp_tricks.seq2seq import Seq2SeqTricksTrainer
 from tiny import VOCAB, ListDataset, bart_lm, bert_seq_cls, seq2seq_data, tricks_args
+from tiny_causal import CAUSAL_LMS, gpt2_lm
 from tiny_seq2seq import seq2seq_args
 
 # ---- Tiny causal LMs and prompt + completion data -----------------------------------------------------------------
 
 
-def gpt2_lm():
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=37, n_positions=64, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(config)
-
-
-def llama_lm():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=37, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
-
-
-CAUSAL = {"gpt2": gpt2_lm, "llama": llama_lm}
+CAUSAL = CAUSAL_LMS
 
 
 def causal_data(n=8, length=12, seed=0) -> ListDataset:
@@ -130,14 +111,6 @@ def test_causal_mask_replaces_completion_tokens_only():
     assert mask.sum().item() / allowed.repeat(2000, 1).sum().item() == pytest.approx(0.7, abs=0.023)
 
 
-def test_is_causal_lm():
-    from peft import LoraConfig, get_peft_model
-
-    assert is_causal_lm(gpt2_lm()) and is_causal_lm(llama_lm())
-    assert is_causal_lm(get_peft_model(gpt2_lm(), LoraConfig(r=2, target_modules=["c_attn"])))
-    assert not is_causal_lm(bart_lm()) and not is_causal_lm(bert_seq_cls())
-
-
 # ---- Two-pass forward ---------------------------------------------------------------------------------------------
 
 
@@ -198,7 +171,6 @@ class GPT2IgnoringLogitsToKeep(GPT2LMHeadModel):
 def test_models_that_do_not_slice_the_logits_get_a_full_pass1():
     model = GPT2IgnoringLogitsToKeep(gpt2_lm().config)
     model.load_state_dict(gpt2_lm().state_dict())
-    assert is_causal_lm(model)
     batch = _batch(causal_data())
     expected = reference_mixed_ids(model, batch)
     seen = ModelInputs(model)
@@ -311,6 +283,22 @@ def test_trainer_ratio_one_equals_the_plain_trainer(tmp_path, name):
     TricksTrainer(model=ours, args=args, train_dataset=data).train()
     for n, p in plain.named_parameters():
         assert torch.equal(ours.get_parameter(n), p), n
+
+
+def test_trainer_runs_it_on_a_lora_adapter(tmp_path):
+    """A PeftModel is looked through (its loss shifts labels); pass 1 goes through the adapter, only LoRA trains."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(CAUSAL["llama"](), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = ModelInputs(model.get_base_model())
+    args = tricks_args(tmp_path, scheduled_sampling="constant", ss_k=0.0, max_steps=1, learning_rate=0.1)
+    TricksTrainer(model=model, args=args, train_dataset=causal_data(n=4)).train()
+    assert len(seen.no_grad) == 1 and len(seen.grad) == 1
+    assert not torch.equal(seen.grad[0], seen.no_grad[0])
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    # LoRA B starts at zero, so the first step moves B only (A's gradient is B^T times something).
+    assert changed == {n for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n}
 
 
 def test_trainer_refuses_models_scheduled_sampling_cannot_run(tmp_path):
@@ -485,3 +473,30 @@ def test_soft_mode_attack_perturbs_the_gold_positions_and_shares_the_expected_em
         moved = (embeds - clean).abs().amax(-1) > 0
         assert torch.equal(embeds[replaced], clean[replaced])
         assert moved[~replaced].any()
+
+
+def test_neftune_noise_is_shared_by_the_graded_passes_and_fresh_in_pass_1(tmp_path, monkeypatch):
+    """With NEFTune, FGM and scheduled sampling: pass 1 (once, without autograd) gets its own noise; the clean and
+    the adversarial pass 2 get the same noise. Replaying by call order would hand pass 1's noise to the adversarial
+    pass 2, which does not run pass 1 again."""
+    from nlp_tricks.neftune import NEFTuneNoise
+
+    added = []
+    hook = NEFTuneNoise._hook
+
+    def spy(self, module, args, output):
+        result = hook(self, module, args, output)
+        grad = torch.is_grad_enabled()
+        # A graded call adds a recorded tensor (the one at the cursor); pass 1 adds fresh noise, not recorded.
+        added.append((grad, self._noise[self._cursor - 1] if grad else (result - output).detach()))
+        return result
+
+    monkeypatch.setattr(NEFTuneNoise, "_hook", spy)
+    args = tricks_args(
+        tmp_path, scheduled_sampling="constant", ss_k=0.5, adversarial="fgm", neftune_noise_alpha=5.0, max_steps=1,
+    )  # fmt: skip
+    TricksTrainer(model=gpt2_lm(), args=args, train_dataset=causal_data(n=4)).train()
+    assert [grad for grad, _ in added] == [False, True, True]
+    pass1, clean, adversarial = (noise for _, noise in added)
+    assert adversarial is clean
+    assert clean.abs().max() > 0 and pass1.abs().max() > 0 and not torch.equal(pass1, clean)
