@@ -286,6 +286,10 @@ class PGD:
     # ---- The hook --------------------------------------------------------------------------------------------------
 
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor):
+        if not torch.is_grad_enabled():
+            # A forward without autograd (scheduled sampling's pass 1) takes no part in the loss's gradient: it is
+            # neither captured nor perturbed, so it may run in some passes and not in others.
+            return None
         if self._mode == "capture":
             if output.requires_grad:
                 output.retain_grad()

@@ -10,6 +10,7 @@ from .adversarial import ADV_NORMS, validate_attack
 from .averaging import validate_ema_decay
 from .heads import validate_multi_sample_dropout
 from .losses import parse_class_weights
+from .scheduled_sampling import MODES, SCHEDULES, validate_mixing, validate_schedule  # --- Scheduled sampling ---
 
 __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
@@ -205,6 +206,42 @@ class TricksArguments(TrainingArguments):
         },
     )
 
+    # --- Scheduled sampling ---
+    scheduled_sampling: str = field(
+        default="none",
+        metadata={
+            "help": "Scheduled sampling (Bengio et al. 2015, two passes as in Mihaylova & Martins 2019) for "
+            "encoder-decoder models (Seq2SeqTricksTrainer) and decoder-only causal LMs (TricksTrainer): the "
+            "teacher-forcing ratio's schedule over optimizer steps. 'none' (plain teacher forcing), 'constant' "
+            "(ratio ss_k), 'linear' (1 - step / ss_k), 'exponential' (ss_k ** step) or 'inverse_sigmoid' "
+            "(ss_k / (ss_k + exp(step / ss_k))).",
+            "choices": ["none", *SCHEDULES],
+        },
+    )
+    ss_k: float | None = field(
+        default=None,
+        metadata={
+            "help": "Parameter of the scheduled_sampling schedule: constant: the ratio in [0, 1]; linear: steps to "
+            "reach 0 (> 0); exponential: base in (0, 1), e.g. 0.999; inverse_sigmoid: k >= 1, e.g. 1000."
+        },
+    )
+    ss_min_ratio: float = field(
+        default=0.0, metadata={"help": "Floor of the teacher-forcing ratio, in [0, 1] (Bengio et al.'s epsilon)."}
+    )
+    ss_mode: str = field(
+        default="argmax",
+        metadata={
+            "help": "What replaces a gold input token (a decoder input; for a causal LM a completion token, never "
+            "the prompt): 'argmax' (the pass-1 prediction), 'sample' (a sample from "
+            "softmax(logits / ss_temperature)) or 'soft' (the expected embedding "
+            "softmax(logits / ss_temperature) @ E).",
+            "choices": list(MODES),
+        },
+    )
+    ss_temperature: float = field(
+        default=1.0, metadata={"help": "Softmax temperature (> 0) of ss_mode 'sample' and 'soft'."}
+    )
+
     def __post_init__(self):
         # Mapped before the parent validates `warmup_steps`.
         if self.warmup_ratio is not None:
@@ -320,3 +357,18 @@ class TricksArguments(TrainingArguments):
         validate_multi_sample_dropout(
             self.head_dropout_samples, self.head_dropout, names=("head_dropout_samples", "head_dropout")
         )
+        # --- Scheduled sampling ---
+        _choice("scheduled_sampling", self.scheduled_sampling, ("none", *SCHEDULES))
+        if self.scheduled_sampling != "none":
+            validate_schedule(
+                self.scheduled_sampling,
+                self.ss_k,
+                self.ss_min_ratio,
+                names=("scheduled_sampling", "ss_k", "ss_min_ratio"),
+            )
+        else:
+            if self.ss_k is not None:
+                raise ValueError(f"ss_k={self.ss_k} is only used with a scheduled_sampling schedule, which is 'none'")
+            if not 0.0 <= self.ss_min_ratio <= 1.0:
+                raise ValueError(f"ss_min_ratio={self.ss_min_ratio} is not allowed; it must be in [0, 1]")
+        validate_mixing(self.ss_mode, self.ss_temperature, names=("ss_mode", "ss_temperature"))

@@ -87,6 +87,10 @@ class NEFTuneNoise:
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor):
         if not module.training:
             return None
+        if not torch.is_grad_enabled():
+            # A forward outside the loss's graph (scheduled sampling's pass 1, which runs in the first pass only):
+            # noisy as under upstream's hook, but neither recorded nor replayed, so the passes stay aligned.
+            return output + neftune_noise(output, self.alpha)
         if not self._replaying:
             self._noise.append(neftune_noise(output, self.alpha))
         elif self._cursor >= len(self._noise) or self._noise[self._cursor].shape != output.shape:

@@ -46,6 +46,11 @@ from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
 from .param_groups import NO_DECAY_PATTERNS, build_param_groups
 from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
+from .scheduled_sampling import (  # --- Scheduled sampling ---
+    ScheduledSampler,
+    ScheduledSamplingDraw,
+    causal_scheduled_sampling_forward,
+)
 
 __all__ = ["TricksTrainer"]
 
@@ -74,6 +79,10 @@ class TricksTrainer(Trainer):
       from :meth:`prediction_step`); ``class_weights`` weigh ``ce`` / ``label_smoothing`` like
       ``F.cross_entropy(weight=)``; ``head_dropout_samples`` averages the losses of K dropout masks on the head's
       input. Their item counts (sentences, weight sums) replace the token count in ``num_items_in_batch``.
+    - Scheduled sampling on decoder-only causal LMs (``--scheduled_sampling``, ``--ss_*``): in training,
+      :meth:`forward_for_loss` runs the model teacher-forced under ``no_grad``, replaces each completion token (label
+      not -100) by its prediction with probability ``1 - ratio`` and returns a second pass on that input, whose logits
+      the configured loss is taken on. With FGM / PGD every pass of a micro-batch reuses the clean pass's draw.
     - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
       norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
       lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
@@ -157,6 +166,15 @@ class TricksTrainer(Trainer):
                 raise ValueError(problem)
             self._ema_callback = EMACallback(self.args.ema_decay, warmup=self.args.ema_warmup)
             self.add_callback(self._ema_callback)
+        # --- Scheduled sampling ---
+        self.scheduled_sampler: ScheduledSampler | None = None
+        # While one micro-batch's passes share a draw (FGM / PGD): {"draw": the first pass's draw}; else None.
+        self._ss_shared: dict | None = None
+        if self.args.scheduled_sampling != "none":
+            args = self.args
+            self.scheduled_sampler = ScheduledSampler(args.scheduled_sampling, args.ss_k, args.ss_min_ratio)
+            if self.model is not None:
+                self._check_scheduled_sampling_model(self.accelerator.unwrap_model(self.model))
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -301,8 +319,13 @@ class TricksTrainer(Trainer):
     def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
         """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
 
-        Extension point: Seq2SeqTricksTrainer runs scheduled sampling's two decoder passes here.
+        ``labels`` are the batch's, unshifted. Extension point: in training with ``scheduled_sampling`` this runs its
+        two passes (causal LMs here, encoder-decoders in Seq2SeqTricksTrainer), see :meth:`scheduled_sampling_passes`.
         """
+        if self.scheduled_sampler is not None and model.training:  # --- Scheduled sampling ---
+            outputs = self._scheduled_sampling_forward(model, inputs, labels)
+            if outputs is not None:
+                return outputs
         return model(**inputs)
 
     def compute_tricks_loss(
@@ -763,7 +786,8 @@ class TricksTrainer(Trainer):
                 functools.partial(self.accelerator.no_sync, model=model) if self.accelerator.use_distributed else None
             )
             noise = self._attack_neftune(model)  # --- NEFTune with adversarial ---
-            with noise or contextlib.nullcontext():
+            # --- Scheduled sampling --- the attack perturbs the clean pass's mixed input, not a new draw.
+            with noise or contextlib.nullcontext(), self._shared_scheduled_sampling_draw():
                 clean, adv = self._get_adversary(model).step(
                     noise.each_pass(loss_fn) if noise else loss_fn,
                     self.accelerator.backward,
@@ -900,6 +924,75 @@ class TricksTrainer(Trainer):
         elif self.ema is not None and args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             # The best checkpoint's raw weights are loaded upstream; its EMA goes with them.
             self.ema.load(os.path.join(self.state.best_model_checkpoint, EMA_STATE_NAME))
+
+    # ---- Scheduled sampling ----------------------------------------------------------------------------------------
+
+    def _check_scheduled_sampling_model(self, model: nn.Module) -> None:
+        """Raise if ``model`` is not one :meth:`scheduled_sampling_passes` can run (here: a causal LM, i.e. a model
+        whose loss shifts labels, as :attr:`loss_shifts_labels` decides it)."""
+        if not self.loss_shifts_labels:
+            seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            hint = " (for encoder-decoder models use Seq2SeqTricksTrainer)" if seq2seq else ""
+            raise ValueError(
+                f"scheduled_sampling={self.args.scheduled_sampling!r} needs a decoder-only causal LM with "
+                f"TricksTrainer{hint}, got {type(model).__name__}"
+            )
+
+    def scheduled_sampling_passes(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        ratio: float,
+        forward: nn.Module,
+        draw: ScheduledSamplingDraw | None,
+    ):
+        """Scheduled sampling's passes at teacher-forcing ``ratio``: ``(pass-2 outputs, the draw used)``.
+
+        ``model`` is the unwrapped model (pass 1 runs on it, under ``no_grad``), ``forward`` the wrapped one (pass 2).
+        A ``draw`` given is reused instead of running pass 1. Here: a causal LM
+        (:func:`~nlp_tricks.scheduled_sampling.causal_scheduled_sampling_forward`); Seq2SeqTricksTrainer overrides it
+        with the encoder-decoder passes.
+        """
+        return causal_scheduled_sampling_forward(
+            model,
+            inputs,
+            labels,
+            ratio,
+            mode=self.args.ss_mode,
+            temperature=self.args.ss_temperature,
+            forward=forward,
+            draw=draw,
+            return_draw=True,
+        )
+
+    def _scheduled_sampling_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
+        """The pass-2 outputs at the ratio of ``state.global_step`` (logged), or None at ratio 1 (plain forward)."""
+        ratio = self.scheduled_sampler.ratio(self.state.global_step)
+        self.record_metric("teacher_forcing_ratio", ratio)
+        if ratio >= 1.0:
+            return None
+        shared = self._ss_shared
+        draw = shared.get("draw") if shared is not None else None
+        # Pass 1 (and the encoder of an encoder-decoder) run on the unwrapped model (no DDP forward without a
+        # backward), under the autocast accelerate otherwise applies in the wrapped forward; pass 2 goes through
+        # the wrapper.
+        with self.accelerator.autocast():
+            outputs, draw = self.scheduled_sampling_passes(
+                self.accelerator.unwrap_model(model), inputs, labels, ratio, forward=model, draw=draw
+            )
+        if shared is not None:
+            shared["draw"] = draw
+        return outputs
+
+    @contextlib.contextmanager
+    def _shared_scheduled_sampling_draw(self):
+        """Within: the forwards (all on one micro-batch) reuse the first one's draw: mask and pass-1 predictions."""
+        self._ss_shared = {}
+        try:
+            yield
+        finally:
+            self._ss_shared = None
 
 
 def _dataset_labels(dataset):

@@ -9,7 +9,7 @@ from transformers.utils import logging
 
 from ..trainer import TricksTrainer
 from .config import Seq2SeqTricksArguments
-from .scheduled_sampling import ScheduledSampler, scheduled_sampling_forward
+from .scheduled_sampling import ScheduledSamplingDraw, scheduled_sampling_forward
 from .tying import TIE_SCOPE_CONFIG_KEY, count_unique_parameters, tie_encoder_decoder
 
 __all__ = ["Seq2SeqTricksTrainer"]
@@ -27,7 +27,9 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
       under ``no_grad``, mixes its predictions into the decoder input with probability ``1 - ratio``, and the
       configured loss (any ``loss_type``, exact gradient accumulation) is taken on a second decoder pass. The ratio
       is read at ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``.
-      Evaluation is teacher-forced as usual.
+      Evaluation is teacher-forced as usual. With FGM / PGD every pass of a micro-batch reuses the clean pass's draw
+      (mask and pass-1 predictions). The wiring is TricksTrainer's (which runs it on causal LMs); this class supplies
+      the encoder-decoder passes (:meth:`scheduled_sampling_passes`).
     - Weight tying (``--tie_encoder_decoder embeddings|all``): applied to the model when the trainer is built (or by
       ``model_init``). A model reloaded from a tied checkpoint (its config records the scope) is tied again even with
       ``tie_encoder_decoder='none'``. The first training log holds ``unique_parameters`` (and
@@ -47,15 +49,6 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
             self._parameter_report = self._apply_tying(model, args)
         super().__init__(model, args, *positional, **kwargs)
         self._pending_report: dict[str, int] = {}
-        self.scheduled_sampler = None
-        if args.scheduled_sampling != "none":
-            self.scheduled_sampler = ScheduledSampler(args.scheduled_sampling, args.ss_k, args.ss_min_ratio)
-            config = getattr(self.model, "config", None)
-            if self.model is not None and not getattr(config, "is_encoder_decoder", False):
-                raise ValueError(
-                    f"scheduled_sampling={args.scheduled_sampling!r} needs an encoder-decoder model, got "
-                    f"{type(self.model).__name__}"
-                )
 
     # ---- Weight tying ----------------------------------------------------------------------------------------------
 
@@ -102,26 +95,34 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
 
     # ---- Scheduled sampling ----------------------------------------------------------------------------------------
 
-    def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
-        """In training with scheduled sampling, the second decoder pass over the mixed input; else the plain forward.
-
-        TricksTrainer.compute_loss then applies the configured loss (any ``loss_type``, exact accumulation).
-        """
-        if self.scheduled_sampler is None or not model.training:
-            return super().forward_for_loss(model, inputs, labels)
-        ratio = self.scheduled_sampler.ratio(self.state.global_step)
-        self.record_metric("teacher_forcing_ratio", ratio)
-        if ratio >= 1.0:
-            return super().forward_for_loss(model, inputs, labels)
-        # The encoder and pass 1 run on the unwrapped model (no DDP forward without a backward), under the autocast
-        # accelerate otherwise applies in the wrapped forward; pass 2 goes through the wrapper.
-        with self.accelerator.autocast():
-            return scheduled_sampling_forward(
-                self.accelerator.unwrap_model(model),
-                inputs,
-                labels,
-                ratio,
-                mode=self.args.ss_mode,
-                temperature=self.args.ss_temperature,
-                forward=model,
+    def _check_scheduled_sampling_model(self, model: nn.Module) -> None:
+        if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(
+                f"scheduled_sampling={self.args.scheduled_sampling!r} needs an encoder-decoder model with "
+                f"Seq2SeqTricksTrainer (decoder-only causal LMs: use TricksTrainer), got {type(model).__name__}"
             )
+
+    def scheduled_sampling_passes(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        ratio: float,
+        forward: nn.Module,
+        draw: ScheduledSamplingDraw | None,
+    ):
+        """The encoder once, decoder pass 1 (skipped when ``draw`` is given), pass 2: ``(outputs, draw)``.
+
+        See :func:`~nlp_tricks.seq2seq.scheduled_sampling_forward`.
+        """
+        return scheduled_sampling_forward(
+            model,
+            inputs,
+            labels,
+            ratio,
+            mode=self.args.ss_mode,
+            temperature=self.args.ss_temperature,
+            forward=forward,
+            draw=draw,
+            return_draw=True,
+        )
