@@ -147,13 +147,14 @@ def test_ner_pseudo_labels_follow_the_teachers_crf():
 
 def test_self_training_ner_with_crf(tiny_model, tmp_path, monkeypatch, capsys):
     files = ner_files(tmp_path)
-    (tmp_path / "raw.txt").write_text("Mary\nworks\n\nthe\ncat\nsat\n")
-    files += ["--unlabeled_file", str(tmp_path / "raw.txt")]
+    (tmp_path / "raw.conll").write_text("Mary\nworks\n\nthe\ncat\nsat\n")
+    files += ["--unlabeled_file", str(tmp_path / "raw.conll")]
     out = tmp_path / "out"
     args = tiny_args(tiny_model, out, "--task", "ner", *files, "--crf", "true")
     assert run_in_process("self_training", args, monkeypatch) == 0
     results = json.loads((out / "self_training_results.json").read_text())
     assert results["rounds"][0]["pseudo_labels"]["kept"] == 2
     assert "crf.transitions" in load_file(str(out / "round_1" / "student" / "model.safetensors"))
-    assert run_in_process("self_training", [*args, "--soft_labels", "true"], monkeypatch) == 1
+    soft = tiny_args(tiny_model, tmp_path / "soft", "--task", "ner", *files, "--crf", "true", "--soft_labels", "true")
+    assert run_in_process("self_training", soft, monkeypatch) == 1
     assert last_line(capsys).startswith("--soft_labels true distils per-token logits")
