@@ -19,12 +19,15 @@ _EXPORTS = {
     "label_smoothing_cross_entropy": ".losses",
     "cross_entropy": ".losses",
     "distillation_loss": ".losses",
+    "rdrop_loss": ".losses",
     "FocalLoss": ".losses",
     "LabelSmoothingCrossEntropy": ".losses",
     "build_param_groups": ".param_groups",
     "load_state_dict_portable": ".checkpoint",
     "FGM": ".adversarial",
     "PGD": ".adversarial",
+    "AWP": ".adversarial",
+    "FreeLB": ".adversarial",
 }
 
 __all__ = [
@@ -34,12 +37,15 @@ __all__ = [
     "label_smoothing_cross_entropy",
     "cross_entropy",
     "distillation_loss",
+    "rdrop_loss",
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
     "build_param_groups",
     "load_state_dict_portable",
     "FGM",
     "PGD",
+    "AWP",
+    "FreeLB",
 ]
 
 
@@ -56,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .adversarial import FGM, PGD
+    from .adversarial import AWP, FGM, PGD, FreeLB
     from .checkpoint import load_state_dict_portable
     from .config import TricksArguments
     from .losses import (
@@ -66,6 +72,7 @@ if TYPE_CHECKING:
         distillation_loss,
         focal_loss,
         label_smoothing_cross_entropy,
+        rdrop_loss,
     )
     from .param_groups import build_param_groups
     from .trainer import TricksTrainer

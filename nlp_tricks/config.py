@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .adversarial import ADV_NORMS, validate_attack
+from .adversarial import ADV_NORMS, validate_attack, validate_awp, validate_freelb
 from .averaging import validate_ema_decay
 from .heads import validate_multi_sample_dropout
 from .losses import parse_class_weights
@@ -16,7 +16,7 @@ __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
 LOSS_TYPES = ("ce", "focal", "label_smoothing")
 # --- Adversarial ---
-ADVERSARIAL_METHODS = ("none", "fgm", "pgd")
+ADVERSARIAL_METHODS = ("none", "fgm", "pgd", "awp", "freelb")
 
 
 def _choice(name: str, value, choices) -> None:
@@ -102,18 +102,27 @@ class TricksArguments(TrainingArguments):
     adversarial: str = field(
         default="none",
         metadata={
-            "help": "Adversarial training in embedding space: 'none', 'fgm' (Miyato et al. 2017, one step of norm "
-            "adv_epsilon; 2 forward/backward passes per batch) or 'pgd' (Madry et al. 2018, adv_steps steps of "
-            "adv_alpha inside the adv_epsilon ball; adv_steps + 1 passes). The update uses the sum of the clean and "
-            "the adversarial gradients; the logged `loss` is the clean loss, `loss_clean` / `loss_adv` both.",
+            "help": "Adversarial training: 'none', 'fgm' (Miyato et al. 2017, one step of norm adv_epsilon on the "
+            "embeddings; 2 forward/backward passes per batch), 'pgd' (Madry et al. 2018, adv_steps steps of "
+            "adv_alpha inside the adv_epsilon ball; adv_steps + 1 passes), 'awp' (Wu et al. 2020, the layers' "
+            "weights moved by awp_gamma relative to their norm; 2 passes) or 'freelb' (Zhu et al. 2020, adv_steps "
+            "perturbed passes whose gradients are averaged, plus a clean pass (freelb_clean_pass); adv_steps passes "
+            "with adv_init_mag=0, else adv_steps + 1). The update uses the sum of the clean and the adversarial "
+            "gradients; the logged `loss` is the clean loss, `loss_clean` / `loss_adv` both.",
             "choices": list(ADVERSARIAL_METHODS),
         },
     )
     adv_epsilon: float = field(
-        default=1.0, metadata={"help": "Adversarial perturbation norm (FGM) or ball radius (PGD), > 0."}
+        default=1.0,
+        metadata={
+            "help": "Adversarial perturbation norm (FGM) or ball radius (PGD), > 0; FreeLB: the per-example ball "
+            "radius, >= 0 (0: no projection, as FreeLB's adv_max_norm)."
+        },
     )
-    adv_alpha: float = field(default=0.3, metadata={"help": "PGD step size, > 0."})
-    adv_steps: int = field(default=3, metadata={"help": "PGD number of ascent steps K >= 1."})
+    adv_alpha: float = field(default=0.3, metadata={"help": "PGD / FreeLB step size, > 0 (FreeLB: per example)."})
+    adv_steps: int = field(
+        default=3, metadata={"help": "PGD number of ascent steps K >= 1; FreeLB: number of perturbed passes K >= 1."}
+    )
     adv_norm: str = field(
         default="global",
         metadata={
@@ -127,6 +136,53 @@ class TricksArguments(TrainingArguments):
         metadata={
             "help": "Module whose output is perturbed: its name or a unique name suffix (e.g. 'word_embeddings'). "
             "Default: the module model.get_input_embeddings() returns."
+        },
+    )
+    adv_init_mag: float = field(
+        default=0.0,
+        metadata={
+            "help": "FreeLB random start, >= 0: delta_0 uniform in [-m, m] with m = adv_init_mag / sqrt(length x "
+            "hidden) per example under the attention mask (official code: adv_init_mag, e.g. 0.1-0.6). 0 starts "
+            "at zero (deterministic; the clean pass and pass 0 are then one pass)."
+        },
+    )
+    freelb_clean_pass: bool = field(
+        default=True,
+        metadata={
+            "help": "FreeLB: add one clean pass's gradient to the mean of the perturbed passes' (FreeLB#10: SST-2 "
+            "91.86 without it, 93.46 with it; the official code has none)."
+        },
+    )
+    awp_gamma: float = field(
+        default=0.01,
+        metadata={
+            "help": "AWP perturbation size relative to each weight's norm: w + awp_gamma * ||w|| * g / ||g||, > 0."
+        },
+    )
+    awp_target: str | None = field(
+        default=None,
+        metadata={
+            "help": "AWP: a regular expression matched (re.search) against parameter names, e.g. "
+            "'(query|key|value)\\.weight$'. Default: the weights of the Linear modules inside the "
+            "numbered transformer layers (not embeddings, norms, biases or the task head)."
+        },
+    )
+    adv_start_step: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer step (>= 0) from which the adversarial method runs; the steps before it train plainly "
+            "and are counted in the logs as `adv_plain_steps` (FreeLB#19: FreeLB from step 0 can diverge)."
+        },
+    )
+
+    # --- R-Drop ---
+    rdrop_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "R-Drop (Liang et al. 2021) weight alpha >= 0; 0 disables it. Each batch runs twice with "
+            "independent dropout (as one doubled batch) and the loss per counted item is loss(a) + loss(b) + "
+            "alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a)), with loss_type's loss on both passes; logs `loss_kl`. "
+            "Needs a model with dropout."
         },
     )
 
@@ -297,9 +353,14 @@ class TricksArguments(TrainingArguments):
             self.adv_steps,
             self.adv_norm,
             names=("adv_epsilon", "adv_alpha", "adv_steps", "adv_norm"),
+            epsilon_may_be_zero=self.adversarial == "freelb",
         )
         if self.adv_target is not None and not self.adv_target.strip():
             raise ValueError("adv_target='' is not allowed; give a module name such as 'word_embeddings' or omit it")
+        validate_freelb(self.adv_init_mag, name="adv_init_mag")
+        validate_awp(self.awp_gamma, self.awp_target, names=("awp_gamma", "awp_target"))
+        if int(self.adv_start_step) != self.adv_start_step or self.adv_start_step < 0:
+            raise ValueError(f"adv_start_step={self.adv_start_step} is not allowed; it must be an integer >= 0")
         if self.adversarial != "none" and getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):
             raise ValueError(
                 f"adversarial={self.adversarial!r} needs several backward passes per step, but optim={self.optim!r} "
@@ -372,3 +433,11 @@ class TricksArguments(TrainingArguments):
             if not 0.0 <= self.ss_min_ratio <= 1.0:
                 raise ValueError(f"ss_min_ratio={self.ss_min_ratio} is not allowed; it must be in [0, 1]")
         validate_mixing(self.ss_mode, self.ss_temperature, names=("ss_mode", "ss_temperature"))
+        # --- R-Drop ---
+        if not self.rdrop_alpha >= 0:
+            raise ValueError(f"rdrop_alpha={self.rdrop_alpha} is not allowed; it must be >= 0 (0: off)")
+        if self.rdrop_alpha > 0 and self.crf:
+            raise ValueError(
+                f"rdrop_alpha={self.rdrop_alpha} compares per-position distributions, which crf=True does not train "
+                "(the CRF scores whole tag sequences); use one of them"
+            )

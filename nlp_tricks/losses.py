@@ -23,6 +23,8 @@ __all__ = [
     "distillation_loss",
     "balanced_class_weights",
     "parse_class_weights",
+    "rdrop_kl",
+    "rdrop_loss",
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
 ]
@@ -372,6 +374,105 @@ def _flat_ids(values):
             yield from _flat_ids(value)
         else:
             yield int(value)
+
+
+# --- R-Drop ---
+
+
+class _SymmetricKL(torch.autograd.Function):
+    """Per row of two float32 ``(N, C)`` logit tensors: ``KL(p_a || p_b) + KL(p_b || p_a)``
+    ``= sum_c (p_a - p_b) (log p_a - log p_b)``.
+
+    Saves the two inputs and their log-sum-exps only; the backward recomputes the softmaxes (autograd on the written
+    out formula would keep four more ``(N, C)`` tensors between forward and backward).
+    """
+
+    @staticmethod
+    def forward(ctx, a, b):
+        lse_a, lse_b = torch.logsumexp(a, -1, keepdim=True), torch.logsumexp(b, -1, keepdim=True)
+        ctx.save_for_backward(a, b, lse_a, lse_b)
+        log_a, log_b = a - lse_a, b - lse_b
+        diff = log_a - log_b
+        return torch.linalg.vecdot(log_a.exp_().sub_(log_b.exp_()), diff)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b, lse_a, lse_b = ctx.saved_tensors
+        log_a, log_b = a - lse_a, b - lse_b
+        diff = log_a - log_b
+        p_a, p_b = log_a.exp_(), log_b.exp_()
+        kl_ab = torch.linalg.vecdot(p_a, diff).unsqueeze(-1)
+        kl_ba = -torch.linalg.vecdot(p_b, diff).unsqueeze(-1)
+        grad = grad.unsqueeze(-1)
+        # d/da KL(a||b) = p_a (diff - KL(a||b)); d/da KL(b||a) = p_a - p_b; and symmetrically for b.
+        grad_a = (diff - kl_ab + 1).mul_(p_a).sub_(p_b).mul_(grad)
+        grad_b = diff.neg_().sub_(kl_ba).add_(1).mul_(p_b).sub_(p_a).mul_(grad)
+        return grad_a, grad_b
+
+
+def rdrop_kl(
+    logits_a: torch.Tensor,
+    logits_b: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """R-Drop's consistency term: ``(KL(p_a || p_b) + KL(p_b || p_a)) / 2`` per item, at the items whose label is not
+    ``ignore_index``, in float32.
+
+    Liang et al. 2021, "R-Drop: Regularized Dropout for Neural Networks", https://arxiv.org/abs/2106.14448, Eq. 2.
+
+    Args:
+        logits_a, logits_b (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``: the two dropout passes over one batch.
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)``; only where they are ``ignore_index`` does it matter.
+        ignore_index (`int`, defaults to -100): label value of the items that count in no term.
+        reduction (`str`, defaults to "mean"): "mean" (over counted items), "sum" or "none".
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+    """
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"the two passes' logits differ in shape: {tuple(logits_a.shape)} vs {tuple(logits_b.shape)}")
+    labels_shape = labels.shape
+    a, labels = _flatten(logits_a, labels)
+    b = logits_b.reshape(a.shape).float()
+    valid = labels != ignore_index
+    kl = torch.where(valid, 0.5 * _SymmetricKL.apply(a, b), 0.0)
+    return _reduce(kl, valid.to(kl.dtype), labels_shape, reduction, num_items_in_batch)
+
+
+def rdrop_loss(
+    logits_a: torch.Tensor,
+    logits_b: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    alpha: float,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """R-Drop: ``CE(a) + CE(b) + alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))`` per counted item, in float32.
+
+    Liang et al. 2021, "R-Drop: Regularized Dropout for Neural Networks", https://arxiv.org/abs/2106.14448, Eq. 3.
+    ``logits_a`` and ``logits_b`` come from two forward passes over the same batch with independent dropout (or one
+    pass over the batch concatenated with itself). The mean is over the counted items; with ``num_items_in_batch``
+    it is ``sum / num_items_in_batch``, so gradient accumulation is exact. (In TricksTrainer a configured focal or
+    label-smoothing loss replaces CE on both passes; see :func:`rdrop_kl` for the second term alone.)
+
+    Args:
+        logits_a, logits_b (`torch.Tensor`): ``(N, C)`` or ``(B, L, C)``.
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)`` class indices; ``ignore_index`` marks items to skip.
+        alpha (`float`): weight of the consistency term, >= 0 (the paper uses 0.1 to 5 by task).
+        ignore_index (`int`, defaults to -100): label value that contributes nothing.
+        reduction (`str`, defaults to "mean"): "mean", "sum" or "none" (per item, 0 at ignored ones).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``.
+    """
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    kwargs = dict(ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch)
+    ce = cross_entropy(logits_a, labels, **kwargs) + cross_entropy(logits_b, labels, **kwargs)
+    return ce + alpha * rdrop_kl(logits_a, logits_b, labels, **kwargs)
 
 
 class FocalLoss(nn.Module):

@@ -20,7 +20,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from . import _upstream
-from .adversarial import FGM, PGD  # --- Adversarial ---
+from .adversarial import AWP, FGM, PGD, FreeLB  # --- Adversarial ---
 from .averaging import (  # --- Weight averaging ---
     AVERAGING_INFO_NAME,
     EMA,
@@ -41,6 +41,7 @@ from .losses import (
     focal_alpha_weights,
     focal_loss,
     label_smoothing_cross_entropy,
+    rdrop_kl,
 )
 from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
@@ -147,9 +148,13 @@ class TricksTrainer(Trainer):
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
         self.trick_state: dict[str, float] = {}
         # --- Adversarial ---
-        self._adversary: FGM | PGD | None = None
+        self._adversary: FGM | PGD | AWP | FreeLB | None = None
         if self.args.adversarial != "none":
             self.trick_state.setdefault("adv_skipped", 0)
+            if self.args.adv_start_step > 0:
+                self.trick_state.setdefault("adv_plain_steps", 0)
+        # --- R-Drop ---
+        self._rdrop_checked = False  # the first R-Drop batch checks that the model has active dropout
         # --- NEFTune with adversarial ---
         # Upstream's NEFTune hook draws fresh noise at every forward, so the attack's passes would see other noise
         # than the clean pass they perturb. training_step adds the noise itself instead: drawn in the clean pass,
@@ -240,6 +245,11 @@ class TricksTrainer(Trainer):
             return self._compute_loss_with_loss_func(model, inputs, return_outputs, num_items_in_batch)
         label_key = self._label_key(inputs)
         if label_key is None:
+            if self.args.rdrop_alpha > 0 and model.training:  # --- R-Drop ---
+                self._warn_once(
+                    f"rdrop_alpha={self.args.rdrop_alpha} cannot apply to batches without one label column "
+                    "(question answering, several label columns): they train without it"
+                )
             return self._compute_loss_without_labels(model, inputs, return_outputs)
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
@@ -258,6 +268,11 @@ class TricksTrainer(Trainer):
             self._add_decoder_input_ids(model, inputs, labels)
             if teacher_logits is not None and (self.args.crf or self._class_weights is not None):
                 raise ValueError("crf and class_weights do not apply to batches with teacher_logits (distillation)")
+            rdrop = self.args.rdrop_alpha > 0 and model.training  # --- R-Drop ---
+            if rdrop:
+                inputs, labels, loss_labels, teacher_logits = self._rdrop_double(
+                    inputs, labels, loss_labels, teacher_logits
+                )
             if self._crf_hook is not None:
                 # The CRF's loss is computed inside the model's forward (a hook), as a built-in CRF head would, so
                 # DDP / FSDP see its scores used by the forward; the outputs come back with that loss.
@@ -268,7 +283,8 @@ class TricksTrainer(Trainer):
                 outputs = self.forward_for_loss(model, inputs, labels)
                 # Multi-sample dropout: the mean of the K heads' losses (the returned logits are the first head's).
                 losses = []
-                for logits in self._head_samples(output_logits(outputs)):
+                samples = self._head_samples(output_logits(outputs))
+                for logits in samples:
                     if teacher_logits is not None:
                         losses.append(
                             distillation_loss(
@@ -283,6 +299,14 @@ class TricksTrainer(Trainer):
                     else:
                         losses.append(self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items))
                 loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+                if rdrop:  # --- R-Drop ---: the loss summed both passes per item (a mean over the doubled batch: x 2)
+                    kl = [
+                        self.compute_rdrop_loss(logits, loss_labels, num_items_in_batch=num_items)
+                        for logits in samples
+                    ]
+                    loss = (loss if num_items is not None else 2 * loss) + (
+                        kl[0] if len(kl) == 1 else torch.stack(kl).mean()
+                    )
                 if return_outputs:
                     outputs = self._outputs_with_loss(outputs, loss)
         if num_items is not None:
@@ -416,6 +440,8 @@ class TricksTrainer(Trainer):
             tricks.append(f"class_weights={args.class_weights!r}")
         if args.head_dropout_samples > 1 or args.head_dropout > 0:
             tricks.append(f"head_dropout_samples={args.head_dropout_samples}, head_dropout={args.head_dropout}")
+        if args.rdrop_alpha > 0:  # --- R-Drop ---
+            tricks.append(f"rdrop_alpha={args.rdrop_alpha}")
         return tricks
 
     def _check_compute_loss_func(self) -> None:
@@ -749,20 +775,30 @@ class TricksTrainer(Trainer):
         inputs: dict[str, torch.Tensor],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """Upstream's training step, with ``--adversarial fgm|pgd`` adding the adversarial passes.
+        """Upstream's training step, with ``--adversarial fgm|pgd|awp|freelb`` adding the adversarial passes.
 
         With adversarial training the gradient is the sum of the clean and the adversarial gradients (each loss
         normalised like the clean one, so accumulation stays exact), and the returned loss, hence the logged
         ``loss``, is the CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over
-        the attacked micro-batches); ``adv_skipped`` counts the micro-batches whose attack was skipped because the
-        clean embedding gradient was 0, inf or NaN (fp16 overflow). Every backward but the step's last runs under
-        ``no_sync``: one all-reduce per optimizer step, as in plain training. With ``neftune_noise_alpha`` the passes
-        of a micro-batch share one NEFTune noise draw (:class:`~nlp_tricks.neftune.NEFTuneNoise`).
+        the attacked micro-batches; FreeLB's is the mean of its K passes); ``adv_skipped`` counts the micro-batches
+        whose attack was skipped because the clean gradient was 0, inf or NaN (fp16 overflow). Every backward but
+        the step's last runs under ``no_sync``: one all-reduce per optimizer step, as in plain training. With
+        ``neftune_noise_alpha`` the passes of a micro-batch share one NEFTune noise draw
+        (:class:`~nlp_tricks.neftune.NEFTuneNoise`). Optimizer steps before ``adv_start_step`` are plain, counted as
+        ``adv_plain_steps``.
         """
         if self.args.adversarial == "none":
             return super().training_step(model, inputs, num_items_in_batch)
+        if self.state.global_step < self.args.adv_start_step:
+            # Plain until adv_start_step; the count of such optimizer steps so far (each micro-batch sets the same).
+            self.trick_state["adv_plain_steps"] = self.state.global_step + 1
+            return super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError("adversarial training is not supported with DeepSpeed (its engine owns the backward)")
+        if self.args.adversarial == "awp" and self.accelerator.distributed_type == DistributedType.FSDP:
+            raise ValueError(
+                "adversarial='awp' is not supported with FSDP: it takes per-tensor norms of weights FSDP shards"
+            )
 
         cp_context, inputs = _upstream.prepare_context_parallel_inputs(self, model, inputs)
         with cp_context():
@@ -787,12 +823,16 @@ class TricksTrainer(Trainer):
             )
             noise = self._attack_neftune(model)  # --- NEFTune with adversarial ---
             # --- Scheduled sampling --- the attack perturbs the clean pass's mixed input, not a new draw.
+            adversary = self._get_adversary(model)
+            # FreeLB's random start covers the positions the attention mask keeps.
+            extra = {"attention_mask": inputs.get("attention_mask")} if isinstance(adversary, FreeLB) else {}
             with noise or contextlib.nullcontext(), self._shared_scheduled_sampling_draw():
-                clean, adv = self._get_adversary(model).step(
+                clean, adv = adversary.step(
                     noise.each_pass(loss_fn) if noise else loss_fn,
                     self.accelerator.backward,
                     no_sync=no_sync,
                     grad_scaler=self.accelerator.scaler,
+                    **extra,
                 )
             if (
                 self.args.torch_empty_cache_steps is not None
@@ -818,8 +858,8 @@ class TricksTrainer(Trainer):
         embeddings = unwrap_peft_model(self.accelerator.unwrap_model(model)).get_input_embeddings()
         return NEFTuneNoise(embeddings, self._attack_neftune_alpha)
 
-    def _get_adversary(self, model: nn.Module) -> FGM | PGD:
-        """The FGM / PGD attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
+    def _get_adversary(self, model: nn.Module) -> FGM | PGD | AWP | FreeLB:
+        """The attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
         unwrapped = self.accelerator.unwrap_model(model)
         if self._adversary is None or self._adversary.model is not unwrapped:
             if self.args.torch_compile or is_compiled_module(model):
@@ -830,6 +870,18 @@ class TricksTrainer(Trainer):
             args = self.args
             if args.adversarial == "fgm":
                 self._adversary = FGM(unwrapped, epsilon=args.adv_epsilon, norm=args.adv_norm, target=args.adv_target)
+            elif args.adversarial == "awp":
+                self._adversary = AWP(unwrapped, gamma=args.awp_gamma, target=args.awp_target)
+            elif args.adversarial == "freelb":
+                self._adversary = FreeLB(
+                    unwrapped,
+                    epsilon=args.adv_epsilon,
+                    alpha=args.adv_alpha,
+                    steps=args.adv_steps,
+                    init_mag=args.adv_init_mag,
+                    clean_pass=args.freelb_clean_pass,
+                    target=args.adv_target,
+                )
             else:
                 self._adversary = PGD(
                     unwrapped,
@@ -993,6 +1045,58 @@ class TricksTrainer(Trainer):
             yield
         finally:
             self._ss_shared = None
+
+    # ---- R-Drop ----------------------------------------------------------------------------------------------------
+
+    def compute_rdrop_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """R-Drop's consistency term on the doubled batch's logits and labels (the same ones the loss was taken on,
+        shifted for a causal LM): ``rdrop_alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))`` per counted item, ``a`` and
+        ``b`` the two halves, on ``logits / temperature``, in float32 (:func:`~nlp_tricks.losses.rdrop_kl`). Logs
+        ``loss_kl`` (the term without ``rdrop_alpha``, per item, comparable with ``loss``).
+
+        Extension point, called by :meth:`compute_loss` beside :meth:`compute_tricks_loss` with the same arguments.
+        """
+        if self.args.temperature != 1.0:
+            logits = logits / self.args.temperature
+        logits_a, logits_b = logits.chunk(2)
+        if not self._rdrop_checked:
+            if torch.equal(logits_a, logits_b):
+                raise ValueError(
+                    f"rdrop_alpha={self.args.rdrop_alpha} needs dropout, but the two passes over the batch gave "
+                    f"identical logits: {type(self.accelerator.unwrap_model(self.model)).__name__} has no active "
+                    "dropout (e.g. hidden_dropout_prob=0 in its config); give it a dropout probability > 0 or set "
+                    "rdrop_alpha=0"
+                )
+            self._rdrop_checked = True
+        kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is not None:
+            # A share of the step's per-item mean: x micro-batches (and processes) makes it comparable with `loss`.
+            try:
+                micro_batches = _upstream.accumulation_steps(self)
+            except AttributeError:  # called outside the training loop
+                micro_batches = 1
+            self.record_metric("loss_kl", kl * micro_batches * self._loss_scale_for_devices())
+        else:
+            self.record_metric("loss_kl", kl)
+        return self.args.rdrop_alpha * kl
+
+    def _rdrop_double(self, inputs: dict, *per_example: torch.Tensor | None):
+        """The batch concatenated with itself along the batch dimension (one forward gives both dropout passes),
+        and each of ``per_example`` (labels, teacher logits; None stays None) likewise."""
+        batch = per_example[0].shape[0]
+        doubled = {}
+        for key, value in inputs.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                if value.shape[0] != batch:
+                    raise ValueError(
+                        f"rdrop_alpha > 0 runs the two passes as one doubled batch, but input {key!r} of shape "
+                        f"{tuple(value.shape)} has no batch dimension of size {batch}"
+                    )
+                value = torch.cat([value, value])
+            doubled[key] = value
+        return doubled, *(None if t is None else torch.cat([t, t]) for t in per_example)
 
 
 def _dataset_labels(dataset):
