@@ -676,15 +676,16 @@ class FreeLB:
                 self._leaves, self._cursor = {}, {}
                 if torch.is_grad_enabled():
                     self._sparse = {module for module in self.modules if _sparse_grad_ok(module)}
-                self._active = True
-                try:
-                    loss = loss_fn()
-                finally:
-                    self._active = False
-                self._check_calls()
-                self._started = True
                 scale = 1.0 / self.steps + (1.0 if merged and k == 0 else 0.0)
+                # DDP decides in the forward whether the backward all-reduces: both run inside no_sync.
                 with contextlib.nullcontext() if last else no_sync():
+                    self._active = True
+                    try:
+                        loss = loss_fn()
+                    finally:
+                        self._active = False
+                    self._check_calls()
+                    self._started = True
                     backward(loss * scale)
                 losses.append(loss.detach())
                 if not last and not self._ascend():

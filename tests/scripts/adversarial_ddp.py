@@ -2,7 +2,8 @@
 
     accelerate launch --multi_gpu --num_processes 2 tests/scripts/adversarial_ddp.py OUT_DIR
 
-Runs a few optimizer steps of a tiny BERT per setting (plain, FGM, PGD with accumulation; one exactness step) and
+Runs a few optimizer steps of a tiny BERT per setting (plain, FGM, PGD, AWP, FreeLB, R-Drop with accumulation; one
+exactness step each for PGD and FreeLB) and
 writes, per setting and rank, ``{name}_rank{r}.safetensors`` (the weights) and ``{name}_rank{r}.json`` (all-reduce
 count, optimizer steps, skipped attacks). tests/test_adversarial_ddp.py launches it and checks the files.
 """
@@ -30,6 +31,13 @@ SETTINGS = {
     "pgd": dict(max_steps=3, adversarial="pgd", adv_steps=3, adv_alpha=0.6),
     # One step over all 8 examples; per-example norms make it equal to one single-process batch of 8.
     "example": dict(max_steps=1, adversarial="pgd", adv_norm="example", adv_steps=2, adv_epsilon=0.5),
+    # Step 1 plain (adv_start_step), steps 2 and 3 attacked.
+    "awp": dict(max_steps=3, adversarial="awp", awp_gamma=0.05, adv_start_step=1),
+    # A random start: a clean pass plus K = 2 perturbed passes.
+    "freelb": dict(max_steps=3, adversarial="freelb", adv_steps=2, adv_init_mag=0.1),
+    # FreeLB's norms are per example: one step over all 8 examples equals one single-process batch of 8.
+    "freelb_example": dict(max_steps=1, adversarial="freelb", adv_steps=3, adv_epsilon=0.4),
+    "rdrop": dict(max_steps=3, rdrop_alpha=1.0, model=dict(hidden_dropout_prob=0.1)),
 }
 
 
@@ -53,6 +61,8 @@ class CountingTrainer(TricksTrainer):
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     for name, setting in SETTINGS.items():
+        setting = dict(setting)
+        model_kwargs = setting.pop("model", {})
         args = tricks_args(
             out / name,
             per_device_train_batch_size=2,
@@ -64,7 +74,7 @@ def main(out_dir: str) -> None:
             **setting,
         )
         data = token_cls_data(n=8 * setting["max_steps"])
-        trainer = CountingTrainer(model=bert_token_cls(), args=args, train_dataset=data)
+        trainer = CountingTrainer(model=bert_token_cls(**model_kwargs), args=args, train_dataset=data)
         trainer.train()
         assert trainer.accelerator.num_processes == 2, "launch with --num_processes 2"
         rank = trainer.accelerator.process_index
@@ -74,6 +84,7 @@ def main(out_dir: str) -> None:
             "allreduces": trainer.allreduces,
             "steps": trainer.state.global_step,
             "adv_skipped": trainer.trick_state.get("adv_skipped"),
+            "adv_plain_steps": trainer.trick_state.get("adv_plain_steps"),
             "logged": [e for e in trainer.state.log_history if "loss" in e],
             "world_size": int(os.environ.get("WORLD_SIZE", 1)),
         }
