@@ -799,10 +799,10 @@ class AWP:
         validate_awp(gamma, target)
         self.model = model
         self.gamma = float(gamma)
-        self.parameters = [(name, p) for name, p in awp_parameters(model, target) if p.requires_grad]
-        if not self.parameters:
-            what = f"awp_target={target!r}" if target is not None else "the default awp_target (Linear weights"
-            what += "" if target is not None else " inside numbered layers)"
+        # (name, parameter) of the weights it may perturb
+        self.targets = [(name, p) for name, p in awp_parameters(model, target) if p.requires_grad]
+        if not self.targets:
+            what = f"awp_target={target!r}" if target is not None else "the default awp_target (the layers' Linears)"
             raise ValueError(f"{what} matches no trainable parameter of {type(model).__name__}")
         try:
             embedding = model.get_input_embeddings()
@@ -827,7 +827,7 @@ class AWP:
         backward = _backward_fn(backward, grad_scaler)
         synced = no_sync is not None
         no_sync = no_sync or contextlib.nullcontext
-        params = [p for _, p in self.parameters]
+        params = [p for _, p in self.targets]
         # `.grad` may hold earlier micro-batches' gradients: catch this micro-batch's on its way in. Only for those
         # (holding the incoming gradient of a parameter with no `.grad` yet would make autograd copy it).
         incoming: dict[int, torch.Tensor] = {}
@@ -847,6 +847,9 @@ class AWP:
             if synced:  # the other processes still all-reduce once: so must this one
                 backward(loss_fn() * 0.0)
             return clean.detach(), None
+        # Inside an enclosing autocast region the low-precision copies of the weights are cached: drop them, or the
+        # adversarial forward would multiply by the unperturbed copies (and a later forward by the perturbed ones).
+        torch.clear_autocast_cache()
         try:
             with _sparse_embedding_grads(self._embeddings):
                 adv = loss_fn()
@@ -855,6 +858,7 @@ class AWP:
             with torch.no_grad():
                 for p, backup in zip(perturbed, backups):
                     p.copy_(backup)
+            torch.clear_autocast_cache()
         return clean.detach(), adv.detach()
 
     @torch.no_grad()
@@ -874,6 +878,6 @@ class AWP:
                 continue
             backups.append(p.detach().clone())
             scale = self.gamma * torch.linalg.vector_norm(p, dtype=torch.float32) / norm.to(p.device)
-            p.addcmul_(g, scale.to(p.dtype))
+            p.add_(g * scale.to(p.dtype))  # one parameter's temporary at a time
             perturbed.append(p)
         return perturbed, backups

@@ -43,7 +43,7 @@ def awp_reference(model, loss_fn, gamma, names):
     for name, p in model.named_parameters():
         if name in names and p.grad is not None and torch.norm(p.grad) != 0:
             backup[name] = p.data.clone()
-            p.data.add_(gamma * torch.norm(p.data) * p.grad / torch.norm(p.grad))
+            p.data.add_(p.grad * (gamma * torch.norm(p.data) / torch.norm(p.grad)))
     loss_fn().backward()
     for name, p in model.named_parameters():
         if name in backup:
@@ -181,6 +181,26 @@ def test_awp_uses_only_the_current_micro_batch_gradient():
     ours = {n: g - earlier[n] for n, g in _grads(model).items()}
     # The pre-filled gradients are ~10x larger: their round-off sets the tolerance.
     _assert_same_grads(ours, _grads(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_awp_inside_one_autocast_region_uses_the_perturbed_weights():
+    """Autocast caches its bf16 copy of each weight for the whole region: AWP drops the cache after perturbing, so a
+    step run inside one region (as a user's loop may) equals the recipe with autocast entered per forward. Without
+    that, the adversarial forward would multiply by the cached unperturbed copies."""
+    batch = _batch(token_cls_data())
+    base = bert_token_cls()
+    names = {n for n, _ in base.named_parameters() if BERT_LAYER_LINEARS.search(n)}
+
+    def loss_fn(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(**batch).loss
+
+    ref = copy.deepcopy(base)
+    awp_reference(ref, lambda: loss_fn(ref), 0.05, names)
+    model = copy.deepcopy(base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        AWP(model, gamma=0.05).step(lambda: model(**batch).loss)
+    _assert_same_grads(_grads(model), _grads(ref), rtol=1e-5, atol=1e-6)
 
 
 def test_awp_skips_a_zero_or_nonfinite_gradient():
@@ -393,10 +413,13 @@ def _train(tmp_path, model, data, grad_scaler=None, **overrides):
     return trainer
 
 
-def reference_sgd_step(model, data, micro_batch, attack, lr=0.5, max_grad_norm=0.0, loss="ce", layer_decay=1.0):
+def reference_sgd_step(
+    model, data, micro_batch, attack, lr=0.5, max_grad_norm=0.0, loss="ce", layer_decay=1.0, bf16=False
+):
     """Per micro-batch, `attack(model, loss_fn, batch)` on `sum loss / (labels of the whole step)`, from zero grads;
     the micro-batches' gradients summed, clipped, one SGD step at each parameter's lr (layer_decay: the lrs of
-    build_param_groups, the optimizer groups under test in test_param_groups.py)."""
+    build_param_groups, the optimizer groups under test in test_param_groups.py). bf16: each forward under bf16
+    autocast, as Accelerate runs the model's forward."""
     items = [data[i] for i in range(len(data))]
     total = sum(int((item["labels"] != -100).sum()) for item in items)
     for start in range(0, len(items), micro_batch):
@@ -404,7 +427,8 @@ def reference_sgd_step(model, data, micro_batch, attack, lr=0.5, max_grad_norm=0
         labels = batch.pop("labels")
 
         def loss_fn(batch=batch, labels=labels, **overrides):
-            logits = model(**{**batch, **overrides}).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(**{**batch, **overrides}).logits.float()  # the loss in float32
             if loss == "focal":
                 return focal_sum(logits, labels) / total
             flat = logits.reshape(-1, logits.shape[-1])
@@ -436,7 +460,8 @@ def _freelb_attack(model, loss_fn, batch, labels, total):
 
 def _rdrop_attack(model, loss_fn, batch, labels, total):
     """No attack: the R-Drop loss on one doubled forward (HalfDropout masks: the same as the trainer's)."""
-    a, b = model(**{k: torch.cat([v, v]) for k, v in batch.items()}).logits.chunk(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.is_autocast_enabled("cpu")):
+        a, b = model(**{k: torch.cat([v, v]) for k, v in batch.items()}).logits.chunk(2)
     rdrop_formula(a, b, labels, 0.5, total).float().backward()
 
 
@@ -508,6 +533,33 @@ def test_trainer_with_grad_scaler_equals_the_recipe(tmp_path, method):
     _train(tmp_path, model, data, scaler, **settings)
     assert scaler.get_scale() == 2.0**12  # no overflow: the step was taken
     for name, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("method", list(FAMILY))
+def test_trainer_bf16_autocast_on_cpu(tmp_path, method):
+    """Reference: the recipe with each forward under bf16 autocast (its difference from float32, ~1e-4, would fail
+    here). FreeLB without the clean pass: merged into pass 0, `(1 + 1/K) * loss` rounds differently in bf16 than the
+    reference's two backwards."""
+    settings, attack = FAMILY[method]
+    if method == "freelb":
+        settings = dict(settings, freelb_clean_pass=False)
+
+        def attack(model, loss_fn, batch, labels, total):
+            freelb_reference(model, loss_fn, batch, alpha=0.3, steps=3, epsilon=0.4, init_mag=0.0, clean_pass=False)
+
+    data = token_cls_data(n=8)
+    base = _model_for(method)
+    ref = copy.deepcopy(base)
+    if method == "rdrop":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference_sgd_step(ref, data, micro_batch=8, attack=attack)
+    else:
+        reference_sgd_step(ref, data, micro_batch=8, attack=attack, bf16=True)
+    model = copy.deepcopy(base)
+    _train(tmp_path, model, data, per_device_train_batch_size=8, max_grad_norm=0.0, bf16=True, **settings)
+    for name, p in ref.named_parameters():
+        # Same bf16 products; the gradients' summation order differs: float32 round-off.
         torch.testing.assert_close(model.get_parameter(name), p, rtol=1e-5, atol=1e-6, msg=name)
 
 
