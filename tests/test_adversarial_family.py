@@ -388,6 +388,7 @@ def test_trainer_rdrop_on_seq2seq_and_causal_lm(tmp_path):
     ours = trainer.compute_loss(gpt2, {"input_ids": ids, "labels": ids.clone()}, num_items_in_batch=36)
     logits, labels = seen[0]
     assert logits.shape[0] == labels.shape[0] == 8  # the doubled batch
+    assert torch.equal(labels, F.pad(ids[:, 1:], (0, 1), value=-100).repeat(2, 1))  # a causal LM's shifted labels
     a, b = logits.chunk(2)
     torch.testing.assert_close(ours, rdrop_formula(a, b, labels.chunk(2)[0], 1.0, 36).float())
 
