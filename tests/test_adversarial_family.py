@@ -1,6 +1,7 @@
 """AWP, FreeLB, R-Drop and adv_start_step against the recipes written out here, standalone and in TricksTrainer."""
 
 import copy
+import logging
 import re
 
 import pytest
@@ -391,6 +392,26 @@ def test_trainer_rdrop_on_seq2seq_and_causal_lm(tmp_path):
     assert torch.equal(labels, F.pad(ids[:, 1:], (0, 1), value=-100).repeat(2, 1))  # a causal LM's shifted labels
     a, b = logits.chunk(2)
     torch.testing.assert_close(ours, rdrop_formula(a, b, labels.chunk(2)[0], 1.0, 36).float())
+
+
+def test_trainer_rdrop_where_it_cannot_apply(tmp_path, caplog):
+    """A regression head trains on its own loss, once, with a warning naming rdrop_alpha (as for the other loss
+    tricks); crf=True is refused."""
+    model = bert_seq_cls(num_labels=1, hidden_dropout_prob=0.1).train()
+    batch = _batch(seq_cls_data())
+    batch["labels"] = batch["labels"].float()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, rdrop_alpha=1.0))
+    calls = []
+    handle = model.register_forward_hook(lambda module, args, output: calls.append(args))
+    with caplog.at_level(logging.WARNING, logger="nlp_tricks.trainer"):
+        torch.manual_seed(0)
+        ours = trainer.compute_loss(model, batch)
+    handle.remove()
+    torch.manual_seed(0)
+    torch.testing.assert_close(ours, model(**batch).loss)  # one forward of the batch as it is: its MSE
+    assert len(calls) == 1 and "rdrop_alpha=1.0 cannot apply" in caplog.text
+    with pytest.raises(ValueError, match="rdrop_alpha"):
+        tricks_args(tmp_path, rdrop_alpha=1.0, crf=True)
 
 
 def test_trainer_rdrop_refuses_a_model_without_dropout(tmp_path):
