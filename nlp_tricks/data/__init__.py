@@ -1,10 +1,17 @@
-"""Readers for the recipes' data: CoNLL, JSON lines, CSV and the built-in offline demo data.
+"""Readers for the recipes' data: CoNLL, JSON lines, CSV, plain text and the built-in offline demo data.
 
 Every reader returns a list of plain dicts (one per example) and raises :class:`DataError`, whose message is
 ``file:line: what is wrong``, on input it cannot use.
 """
 
 from .demo import DEMO_PACKAGES, demo_classification, demo_model_path, demo_ner, demo_summarization
+from .pretraining import (
+    MaskedLMCollator,
+    demo_pretraining_texts,
+    pack_documents,
+    pack_words,
+    read_text_file,
+)
 from .readers import (
     DataError,
     check_labels,
@@ -34,4 +41,9 @@ __all__ = [
     "demo_classification",
     "demo_summarization",
     "demo_model_path",
+    "read_text_file",
+    "demo_pretraining_texts",
+    "pack_words",
+    "pack_documents",
+    "MaskedLMCollator",
 ]
