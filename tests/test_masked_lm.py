@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import BertForMaskedLM
@@ -89,3 +95,13 @@ def test_evaluation_with_fixed_masks_matches_the_full_logits(tmp_path):
         trainer = MaskedLMTrainer(model=mlm_model(), args=args, data_collator=collator, sparse=sparse)
         results.append(trainer.evaluate(eval_set)["eval_loss"])
     assert results[0] == pytest.approx(results[1], rel=1e-5)
+
+
+@pytest.mark.slow  # a subprocess importing transformers' Trainer: tens of seconds on a loaded 2-core machine
+def test_benchmark_quick_json():
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "benchmarks" / "masked_lm.py"), "--quick", "--json"]
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(rows) == {"full_logits", "sparse_prediction", "model_loss"} and rows["full_logits"]["ratio"] == 1.0
