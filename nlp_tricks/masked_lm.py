@@ -1,10 +1,11 @@
 """Masked-LM training: the vocabulary projection run only at the masked positions (sparse prediction).
 
 A masked LM is scored at the ~15% of positions that carry a label, yet ``*ForMaskedLM`` models project every position
-onto the whole vocabulary: for a small encoder that projection is about half the compute (MiniLM-L6: 384 x 30,522
-multiply-adds per token against about 10.6 M in its six layers). Projecting only the labelled positions gives the
-same loss and the same gradients (the other positions' logits never reach the loss), as the "sparse prediction" of
-Cramming (Geiping & Goldstein, 2022, https://arxiv.org/abs/2212.14034) and ModernBERT.
+onto the whole vocabulary: for a small encoder that projection is about half the multiply-adds (MiniLM-L6: 384 x
+30,522 per token against about 10.6 M in its six layers). Projecting only the labelled positions gives the same loss
+and the same gradients (the other positions' logits never reach the loss), as the "sparse prediction" of Cramming
+(Geiping & Goldstein, 2022, https://arxiv.org/abs/2212.14034) and ModernBERT. ``benchmarks/masked_lm.py`` measures
+the step: 0.77x the forward + backward time of the full logits for MiniLM-L6 at batch 16 x 128 on 2 CPU threads.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class MaskedLMTrainer(TricksTrainer):
 
     With ``sparse=True`` the model's vocabulary projection runs only at labelled positions (:func:`sparse_prediction`)
     and the configured loss (``loss_type``, exact ``num_items_in_batch`` normalisation) is taken on those logits
-    against ``labels[labels != -100]``: the same loss and gradients as the full logits, in about half the time for
-    a small encoder. Evaluation goes through the same path, so use ``prediction_loss_only=True`` (the logits of an
-    evaluation batch are only the labelled positions').
+    against ``labels[labels != -100]``: the same loss and gradients as the full logits, in less time (MiniLM-L6: 0.77x
+    the forward + backward, ``benchmarks/masked_lm.py``). Evaluation goes through the same path, so use
+    ``prediction_loss_only=True`` (the logits of an evaluation batch are only the labelled positions').
     """
 
     def __init__(self, *args, sparse: bool = True, **kwargs):
