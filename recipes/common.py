@@ -119,7 +119,7 @@ def parse_recipe_args(
     recipe: str,
     defaults: dict | None = None,
     argv: list[str] | None = None,
-    dependent_defaults: tuple[str, dict[str, dict]] | None = None,
+    dependent_defaults: tuple[str | Callable, dict[str, dict]] | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
 
@@ -128,7 +128,8 @@ def parse_recipe_args(
     known name. ``defaults`` replace the dataclasses' own defaults (e.g. the recipe's learning rate);
     ``output_dir`` defaults to ``outputs/<recipe>``, ``report_to`` to ``none`` and ``do_train`` to true
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
-    picks more defaults by the parsed value of ``field`` (self-training's task), unless given. ``--save_steps N``
+    picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
+    function of the parsed namespace instead (pretraining: whether the demo is used). ``--save_steps N``
     without ``--save_strategy`` saves every N steps. A value the arguments reject prints one line and exits with
     status 2, as argparse does.
     """
@@ -161,7 +162,8 @@ def parse_recipe_args(
     }
     if dependent_defaults is not None:
         key, by_value = dependent_defaults
-        for name, value in by_value.get(getattr(namespace, key), {}).items():
+        value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
+        for name, value in by_value.get(value_of_key, {}).items():
             if name not in given:
                 setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
@@ -257,12 +259,13 @@ def load_splits(
     demo: Callable[[], list[dict] | dict[str, list[dict]]],
     demo_source: str,
     hub_converter: Callable,
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
 ) -> dict[str, tuple[list[dict], str]]:
     """``{split: (examples, source name for errors)}`` from the files, the demo or a Hub dataset.
 
     ``read_file(path)`` returns a file's examples; ``demo()`` the built-in examples (one list, or a dict of splits);
     ``hub_converter(features)`` the function turning one Hub row into an example. With neither a validation nor a
-    test split, train is split 80/10/10 with ``data.split_seed``.
+    test split, train is split into train / validation / test by ``fractions`` (80/10/10) with ``data.split_seed``.
     """
     if data.train_file:
         splits = {"train": (read_file(data.train_file), data.train_file)}
@@ -303,7 +306,7 @@ def load_splits(
         splits["all"] = (examples, source)
     elif "validation" not in splits and "test" not in splits:
         examples, source = splits["train"]
-        train, validation, test = split_examples(examples, (0.8, 0.1, 0.1), seed=data.split_seed)
+        train, validation, test = split_examples(examples, fractions, seed=data.split_seed)
         splits = {"train": (train, source), "validation": (validation, source), "test": (test, source)}
     return splits
 
@@ -583,6 +586,7 @@ def train_evaluate_predict(
     write_test_predictions: Callable[[object], None] | None = None,
     split_metrics: dict[str, Callable] | None = None,
     record: dict | None = None,
+    extra_results: Callable[[dict], None] | None = None,
 ) -> dict:
     """The end of every recipe: train (``--resume_from_checkpoint`` honoured; skipped with ``--do_train false``), save
     the model and the Trainer state, evaluate on validation, predict on test (``write_test_predictions(output)`` on
@@ -591,7 +595,8 @@ def train_evaluate_predict(
 
     ``split_metrics`` gives each split its own ``compute_metrics`` (the Trainer's is swapped in before that split
     is scored), for metrics that need the split's own data: every word of an NER sentence, the full reference
-    summaries. ``record`` is stored in ``all_results.json`` as it is (data files, label list, truncation counts).
+    summaries. ``record`` is stored in ``all_results.json`` as it is (data files, label list, truncation counts);
+    ``extra_results(results)`` may add to the results first (pretraining: perplexities).
     """
     args = trainer.args
     results = {}
@@ -624,6 +629,8 @@ def train_evaluate_predict(
             write_test_predictions(output)
     record = record or {}
     results.update({key: value for key, value in record.items() if isinstance(value, int | float)})
+    if extra_results is not None:
+        extra_results(results)
     trainer.log_metrics("all", results)
     results.update(record)
     if trainer.is_world_process_zero():

@@ -158,3 +158,45 @@ def tricks_args(tmp_path, **overrides) -> TricksArguments:
     )
     kwargs.update(overrides)
     return TricksArguments(**kwargs)
+
+
+WORDPIECES = (
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "un",
+    "##believ",
+    "##able",
+    "token",
+    "##ization",
+    "play",
+    "##ed",
+    ",",
+    ".",
+)
+
+
+def wordpiece_tokenizer(pieces=WORDPIECES) -> PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer (lower-casing, punctuation split, ``##`` sub-tokens) over a tiny vocabulary."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(pieces))}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )

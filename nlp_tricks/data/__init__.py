@@ -5,6 +5,13 @@ Every reader returns a list of plain dicts (one per example) and raises :class:`
 """
 
 from .demo import DEMO_PACKAGES, demo_classification, demo_model_path, demo_ner, demo_summarization
+from .pretraining import (
+    MaskedLMCollator,
+    demo_pretraining_texts,
+    pack_documents,
+    pack_words,
+    read_text_file,
+)
 from .readers import (
     DataError,
     canonical_label,
@@ -46,4 +53,9 @@ __all__ = [
     "demo_classification",
     "demo_summarization",
     "demo_model_path",
+    "read_text_file",
+    "demo_pretraining_texts",
+    "pack_words",
+    "pack_documents",
+    "MaskedLMCollator",
 ]
