@@ -251,6 +251,18 @@ def mix_inputs(
 # ---- Decoder-only (causal) models ---------------------------------------------------------------------------------
 
 
+def draw_replacements(allowed: torch.Tensor, ratio: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each ``allowed`` position, independently, with probability ``1 - ratio`` (none at ratio 1, all at ratio 0)."""
+    if ratio == 1.0:
+        return torch.zeros_like(allowed)
+    if ratio == 0.0:
+        return allowed
+    draw = torch.rand(
+        allowed.shape, generator=generator, device=allowed.device if generator is None else generator.device
+    )
+    return allowed & draw.to(allowed.device).ge(ratio)
+
+
 def causal_replacement_mask(
     labels: torch.Tensor,
     ratio: float,
@@ -273,14 +285,7 @@ def causal_replacement_mask(
         allowed[:, 1:] = shift_labels[:, : labels.shape[1] - 1].ne(ignore_index)
     else:
         allowed[:, 1:] = labels[:, 1:].ne(ignore_index)
-    if ratio == 1.0:
-        return torch.zeros_like(allowed)
-    if ratio == 0.0:
-        return allowed
-    draw = torch.rand(
-        labels.shape, generator=generator, device=labels.device if generator is None else generator.device
-    )
-    return allowed & draw.to(labels.device).ge(ratio)
+    return draw_replacements(allowed, ratio, generator)
 
 
 def causal_scheduled_sampling_forward(

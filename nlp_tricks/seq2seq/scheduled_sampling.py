@@ -26,6 +26,7 @@ from ..scheduled_sampling import (
     ScheduledSamplingDraw,
     apply_draw,
     draw_predictions,
+    draw_replacements,
     mix_inputs,
     validate_mixing,
     validate_schedule,
@@ -59,14 +60,7 @@ def replacement_mask(
     labelled = labels.ne(ignore_index)
     allowed = torch.zeros_like(labelled)
     allowed[:, 1:] = labelled[:, 1:] & labelled[:, :-1]
-    if ratio == 1.0:
-        return torch.zeros_like(allowed)
-    if ratio == 0.0:
-        return allowed
-    draw = torch.rand(
-        labels.shape, generator=generator, device=labels.device if generator is None else generator.device
-    )
-    return allowed & draw.to(labels.device).ge(ratio)
+    return draw_replacements(allowed, ratio, generator)
 
 
 def mix_decoder_inputs(
