@@ -214,8 +214,8 @@ def use_every_core() -> None:
     """Let a single CPU process use every core, unless the user chose a thread count.
 
     ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for one CPU process when the user set neither that variable nor
-    ``--num_cpu_threads_per_process``, which leaves all cores but one idle (the NER demo: 183 s on one core, 103 s on
-    two; 214 s vs 134 s re-measured). Only that case is changed, read from the launcher's own environment and command line.
+    ``--num_cpu_threads_per_process``, which leaves all cores but one idle (the NER demo on 2 cores: 214 s on one
+    thread, 134 s on two). Only that case is changed, read from the launcher's own environment and command line.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or torch.cuda.is_available():
         return
