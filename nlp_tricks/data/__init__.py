@@ -4,7 +4,14 @@ Every reader returns a list of plain dicts (one per example) and raises :class:`
 ``file:line: what is wrong``, on input it cannot use.
 """
 
-from .demo import DEMO_PACKAGES, demo_classification, demo_model_path, demo_ner, demo_summarization
+from .demo import (
+    DEMO_PACKAGES,
+    demo_causal_lm_path,
+    demo_classification,
+    demo_model_path,
+    demo_ner,
+    demo_summarization,
+)
 from .readers import (
     DataError,
     check_labels,
@@ -34,4 +41,5 @@ __all__ = [
     "demo_classification",
     "demo_summarization",
     "demo_model_path",
+    "demo_causal_lm_path",
 ]
