@@ -8,7 +8,7 @@
     accelerate launch recipes/summarization.py --train_file train.jsonl --validation_file dev.jsonl \\
         --text_column document --summary_column summary
     accelerate launch recipes/summarization.py my_run.yaml   # all arguments from one YAML / JSON file
-    accelerate launch recipes/summarization.py --model_name_or_path smollm2-demo --learning_rate 1e-4  # causal LM
+    accelerate launch recipes/summarization.py --model_name_or_path smollm2-demo --max_source_length 384  # causal LM
 
 Features:
 
@@ -49,10 +49,8 @@ import numpy as np
 import torch
 from datasets import Dataset
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
-    AutoTokenizer,
     DataCollatorForSeq2Seq,
     EncoderDecoderConfig,
     EncoderDecoderModel,
@@ -197,12 +195,9 @@ def load_model_and_tokenizer(model_args: SummarizationModelArguments):
     state_dict_file = is_state_dict_file(path)
     source = resolve_model_path(None) if state_dict_file else path
     remote = model_args.trust_remote_code
-    if not state_dict_file:
-        config, tokenizer = load_config_and_tokenizer(source, model_args.tokenizer_name, remote)
-        if is_causal_lm(config):
-            return load_causal_lm(source, config, tokenizer, remote), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or source, trust_remote_code=remote)
-    config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+    config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, remote)
+    if not state_dict_file and is_causal_lm(config):
+        return load_causal_lm(source, config, tokenizer, remote), tokenizer
     if config.is_encoder_decoder:
         return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
     if state_dict_file:
