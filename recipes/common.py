@@ -24,7 +24,15 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
 from nlp_tricks.crf import add_crf, bio_constraints, load_crf_model
-from nlp_tricks.data import DataError, check_labels, demo_model_path, kfold_examples, label_list, split_examples
+from nlp_tricks.data import (
+    DataError,
+    check_labels,
+    demo_causal_lm_path,
+    demo_model_path,
+    kfold_examples,
+    label_list,
+    split_examples,
+)
 from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.resume import get_last_complete_checkpoint
 
@@ -362,8 +370,15 @@ def check_label_arguments(training_args, labels: list[str]) -> None:
 # ---- Model --------------------------------------------------------------------------------------------------------
 
 
+# Names of built-in demo models that --model_name_or_path takes, and the function giving each one's folder.
+DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path}
+
+
 def resolve_model_path(model_name_or_path: str | None) -> str:
-    """The model to start from: the given path or hub id, or the demo's MiniLM encoder when none is given."""
+    """The model to start from: the given path or hub id, a built-in demo model's folder (``smollm2-demo``:
+    SmolLM2-135M-Instruct, converted on first use), or the demo's MiniLM encoder when none is given."""
+    if model_name_or_path in DEMO_MODELS:
+        return DEMO_MODELS[model_name_or_path]()
     return model_name_or_path or demo_model_path()
 
 

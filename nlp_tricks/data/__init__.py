@@ -4,7 +4,14 @@ Every reader returns a list of plain dicts (one per example) and raises :class:`
 ``file:line: what is wrong``, on input it cannot use.
 """
 
-from .demo import DEMO_PACKAGES, demo_classification, demo_model_path, demo_ner, demo_summarization
+from .demo import (
+    DEMO_PACKAGES,
+    demo_causal_lm_path,
+    demo_classification,
+    demo_model_path,
+    demo_ner,
+    demo_summarization,
+)
 from .pretraining import (
     MaskedLMCollator,
     demo_pretraining_texts,
@@ -58,4 +65,5 @@ __all__ = [
     "pack_words",
     "pack_documents",
     "MaskedLMCollator",
+    "demo_causal_lm_path",
 ]
