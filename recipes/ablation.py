@@ -275,6 +275,18 @@ def write_plot(table: list[dict], metric: str, path: Path) -> bool:
 # ---- The runner -----------------------------------------------------------------------------------------------------
 
 
+def multi_label_requested(flags: list[str]) -> bool:
+    """Whether recipe ``flags`` switch ``--multi_label`` on (``--multi_label``, ``--multi_label true``, ``=true``)."""
+    for i, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if name.replace("-", "_") != "__multi_label":
+            continue
+        if not value and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value = flags[i + 1]
+        return value.lower() not in ("false", "no", "0", "f", "n")
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -312,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
     task = Path(recipe.__file__).stem
+    if task == "classification" and multi_label_requested(recipe_flags):
+        parser.error(
+            "--multi_label: the ablation's per-example bootstrap and baselines score single-label classification only"
+        )
     configs = default_configurations(recipe)
     if args.configurations:
         wanted = args.configurations.split(",")

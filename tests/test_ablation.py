@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env
+
+import ablation
 
 
 def test_ablation_tiny_ner(tiny_model, tmp_path):
@@ -62,3 +66,23 @@ def test_ablation_folds_predict_every_example_once(tiny_model, tmp_path):
              for k in range(2)]  # fmt: skip
     assert sorted(tests) == [2, 3]
     assert "pooled test predictions of 2 folds" in (out / "ablation.md").read_text()
+
+
+def test_ablation_refuses_multi_label_classification(tmp_path, capsys):
+    """The per-example bootstrap and the TF-IDF baseline score single labels: a multi-label ablation is one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        ablation.main(["--recipe", "classification", "--output_dir", str(tmp_path), "--", "--multi_label", "true"])
+    assert exit_info.value.code == 2
+    assert "--multi_label" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing ran
+    cases = {
+        ("--multi_label",): True,
+        ("--multi_label", "--seed", "1"): True,
+        ("--multi-label", "true"): True,
+        ("--multi_label=True",): True,
+        ("--multi_label", "false"): False,
+        ("--multi_label=no",): False,
+        ("--max_train_samples", "50"): False,
+    }
+    for flags, expected in cases.items():
+        assert ablation.multi_label_requested(list(flags)) is expected, flags
