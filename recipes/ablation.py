@@ -218,23 +218,33 @@ def _classification_labels(runs: dict) -> list[str]:
 
 
 def write_markdown(table: list[dict], metric: str, lrs: list[str], seeds: int, folds: int | None, path: Path) -> None:
+    """The table: one row per configuration. With one learning rate there is nothing to choose, so the chosen-lr
+    columns are left out; with one seed there is no spread, so no ``± std``."""
     split = f"pooled test predictions of {folds} folds" if folds else "the test split"
+    sweep = len(lrs) > 1
+
+    def score(mean_std: tuple[float, float]) -> str:
+        return f"{mean_std[0]:.4f} ± {mean_std[1]:.4f}" if seeds > 1 else f"{mean_std[0]:.4f}"
+
+    spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed"
+    chosen = "chosen lr minus baseline" if sweep else "minus baseline"
     lines = [
-        f"{metric} on {split} ({table[0]['examples']} examples); mean ± std over {seeds} seed(s). Difference: chosen "
-        "lr minus baseline, [95% paired-bootstrap interval], * where it excludes 0. Time and memory at the first lr.",
+        f"{metric} on {split} ({table[0]['examples']} examples); {spread}. Difference: {chosen}, [95% "
+        "paired-bootstrap interval], * where it excludes 0. Time and memory at the first lr.",
         "",
-        f"| configuration | {metric} (lr {lrs[0]}) | {metric} (lr chosen on validation) | chosen lr | difference "
-        "vs baseline | time / step vs baseline | peak memory vs baseline |",
-        "|---|---|---|---|---|---|---|",
+        f"| configuration | {metric} (lr {lrs[0]}) |"
+        + (f" {metric} (lr chosen on validation) | chosen lr |" if sweep else "")
+        + " difference vs baseline | time / step vs baseline | peak memory vs baseline |",
+        "|---|---|" + ("---|---|" if sweep else "") + "---|---|---|",
     ]
     for r in table:
         d = r["difference"]
         mark = " *" if d["significant"] and r["configuration"] != "baseline" else ""
         t = f"{r['time_vs_baseline']:.2f}x" if r["time_vs_baseline"] else "n/a"
+        best = f" {score(r['best'])} | {', '.join(r['best_lr'])} |" if sweep else ""
         lines.append(
-            f"| {r['configuration']} | {r['same_lr'][0]:.4f} ± {r['same_lr'][1]:.4f} | {r['best'][0]:.4f} ± "
-            f"{r['best'][1]:.4f} | {', '.join(r['best_lr'])} | {d['value']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
-            f"{mark} | {t} | {r['memory_vs_baseline']:.2f}x |"
+            f"| {r['configuration']} | {score(r['same_lr'])} |{best} {d['value']:+.4f} [{d['low']:+.4f}, "
+            f"{d['high']:+.4f}]{mark} | {t} | {r['memory_vs_baseline']:.2f}x |"
         )
     path.write_text("\n".join(lines) + "\n")
 
