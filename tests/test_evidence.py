@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
-from baselines import build_gazetteer, lead, tag_with_gazetteer
+from baselines import TFIDF_C_GRID, build_gazetteer, lead, tag_with_gazetteer, tfidf_lr, tfidf_lr_tuned
 from evidence import classification_rows, corpus_metric, ner_rows, paired_bootstrap
 
 from nlp_tricks.data import kfold_examples
@@ -78,3 +78,23 @@ def test_gazetteer_longest_exact_match_by_hand():
 def test_lead_k_sentences():
     assert lead("One. Two! Three? Four.", 3) == "One. Two! Three?"
     assert lead("No end", 3) == "No end"
+
+
+def test_tfidf_lr_tunes_c_on_validation_only():
+    """Few, unbalanced training texts: at C = 1 the regularised model predicts the majority class everywhere; the
+    tuned baseline takes the grid's C with the best validation accuracy (the smallest on a tie), as written out here
+    with scikit-learn, and never looks at the test texts."""
+    words = {"sport": "goal match striker", "tech": "chip software phone", "politics": "vote minister election"}
+    train = [{"text": f"{words['sport']} team {i}", "label": "sport"} for i in range(6)]
+    train += [{"text": words[label], "label": label} for label in ("tech", "politics")]
+    validation = [{"text": f"the {words[label]}", "label": label} for label in words]
+    texts = [ex["text"] for ex in validation]
+    gold = [ex["label"] for ex in validation]
+    assert list(tfidf_lr(train, C=1.0).predict(texts)) == ["sport"] * 3  # the default underfits
+
+    accuracies = {C: np.mean(tfidf_lr(train, C=C).predict(texts) == np.array(gold)) for C in TFIDF_C_GRID}
+    expected = min(C for C in TFIDF_C_GRID if accuracies[C] == max(accuracies.values()))
+    model, chosen = tfidf_lr_tuned(train, validation)
+    assert chosen == expected and chosen > 1.0 and accuracies[chosen] == 1.0
+    assert list(model.predict(texts)) == gold
+    assert tfidf_lr_tuned(train, [])[1] == 1.0  # no validation data: the default
