@@ -39,12 +39,14 @@ import statistics
 import subprocess
 import sys
 import time
+from argparse import ArgumentTypeError
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
 import evidence
 import numpy as np
+from transformers.hf_argparser import string_to_bool
 
 # configuration name -> recipe flags. Plain data: add a row to ablate another trick.
 CONFIGURATIONS = {
@@ -293,7 +295,7 @@ def multi_label_requested(flags: list[str]) -> bool:
             continue
         if not value and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             value = flags[i + 1]
-        return value.lower() not in ("false", "no", "0", "f", "n")
+        return not value or string_to_bool(value)  # as the recipe's HfArgumentParser reads it
     return False
 
 
@@ -334,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
     task = Path(recipe.__file__).stem
-    if task == "classification" and multi_label_requested(recipe_flags):
+    try:
+        multi_label = task == "classification" and multi_label_requested(recipe_flags)
+    except ArgumentTypeError as err:
+        parser.error(f"--multi_label: {err}")
+    if multi_label:
         parser.error(
             "--multi_label: the ablation's per-example bootstrap and baselines score single-label classification only"
         )
