@@ -290,17 +290,32 @@ class TricksArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        # Mapped before the parent validates `warmup_steps`.
-        if self.warmup_ratio is not None:
-            if not 0.0 <= self.warmup_ratio < 1.0:
-                raise ValueError(f"warmup_ratio={self.warmup_ratio} is not allowed; it must be in [0, 1)")
-            if self.warmup_steps not in (0, self.warmup_ratio):
-                raise ValueError(
-                    f"give warmup_ratio ({self.warmup_ratio}) or warmup_steps ({self.warmup_steps}), not both"
-                )
-            self.warmup_steps = self.warmup_ratio
+        self._map_warmup_ratio()  # before the parent validates `warmup_steps`
         super().__post_init__()
+        # Defaults that follow other fields are derived again when those change (revalidate).
+        self._derived = {"ema_eval"} if self.ema_eval is None else set()
+        self._validate_tricks()
 
+    def revalidate(self) -> None:
+        """Map and check the trick fields again after they were set on built arguments (a hyperparameter-search
+        trial sets them one by one): ``warmup_ratio`` mapped, derived defaults derived again, every trick's checks."""
+        self._map_warmup_ratio(replacing=True)
+        for name in self._derived:
+            setattr(self, name, None)
+        self._validate_tricks()
+
+    def _map_warmup_ratio(self, replacing: bool = False) -> None:
+        if self.warmup_ratio is None:
+            return
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} is not allowed; it must be in [0, 1)")
+        if not replacing and self.warmup_steps not in (0, self.warmup_ratio):
+            raise ValueError(
+                f"give warmup_ratio ({self.warmup_ratio}) or warmup_steps ({self.warmup_steps}), not both"
+            )
+        self.warmup_steps = self.warmup_ratio
+
+    def _validate_tricks(self) -> None:
         if self.head_lr_scale <= 0:
             raise ValueError(f"head_lr_scale={self.head_lr_scale} is not allowed; it must be > 0")
         if not 0.0 < self.layer_decay <= 1.0:

@@ -28,9 +28,9 @@ from .resume import (
     get_last_complete_checkpoint,
     optimizer_groups_problem,
 )
-from .tricks import LossBatch, Trick, built_in_tricks
+from .tricks import BUILT_IN_TRICKS, LossBatch, Trick, built_in_tricks
 from .tricks.averaging import ExponentialMovingAverage
-from .tricks.base import TRICKS_STATE_NAME, checkpoint_trick_states, nested, save_trick_states
+from .tricks.base import TRICKS_STATE_NAME, checkpoint_trick_states, nested, save_trick_states, tricks_section
 
 __all__ = ["TricksTrainer"]
 
@@ -492,9 +492,26 @@ class TricksTrainer(Trainer):
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
-        for trick in self.tricks:
-            trick.prepare_model(self, model)
+        if trial is None or self.hp_search_backend is None:  # a trial's tricks are built by _hp_search_setup
+            for trick in self.tricks:
+                trick.prepare_model(self, model)
         return model
+
+    def _hp_search_setup(self, trial) -> None:
+        """Upstream sets the trial's arguments on ``args``; the tricks are then checked and built again from them
+        (every trick field applies in a trial, and a bad value is refused naming the field)."""
+        super()._hp_search_setup(trial)
+        if self.hp_search_backend is None or trial is None:
+            return
+        self.args.revalidate()
+        built_in = tuple(BUILT_IN_TRICKS)
+        for trick in self.tricks:
+            self.remove_callback(trick)
+        self.tricks = built_in_tricks(self.args, user_tricks=[t for t in self.tricks if not isinstance(t, built_in)])
+        for trick in self.tricks:
+            trick.prepare_model(self, self.model)
+            self.add_callback(trick)
+            trick.setup(self)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
         """Upstream counts labelled positions; a trick may count other items (a CRF's sentences, class weights' weight
@@ -719,19 +736,5 @@ class TricksTrainer(Trainer):
         path = os.path.join(self.args.output_dir, "README.md")
         if not self.is_world_process_zero() or not os.path.isfile(path):
             return
-        settings = [setting for trick in self.tricks for setting in trick.summary()]
-        lines = [
-            "",
-            "## Tricks (nlp_tricks)",
-            "",
-            "Trained with `nlp_tricks.TricksTrainer`; the tricks of this run:",
-            "",
-        ]
-        lines += [f"- `{setting}`" for setting in settings]
-        info = self._first("saved_weights_info")
-        if info is not None:
-            what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
-            details = ", ".join(f"{k}: {v}" for k, v in info.items() if k != "weights")
-            lines += ["", f"The saved weights are {what.get(info['weights'], info['weights'])} ({details})."]
         with open(path, "a", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(tricks_section(self.tricks, self._first("saved_weights_info")))

@@ -284,3 +284,39 @@ def test_the_model_card_lists_the_tricks_and_the_saved_weights(tmp_path):
         assert f"- `{setting}`" in card, setting
     assert "The saved weights are the exponential moving average of the weights (ema_decay: 0.9" in card
     assert "updates: 3" in card
+
+
+def _run_trial(tmp_path, monkeypatch, values: dict, **overrides):
+    """One trial as hyperparameter_search runs it (upstream's _hp_search_setup sets the trial's values on args),
+    with a stand-in for the search package's trial object."""
+    from types import SimpleNamespace
+
+    from transformers.trainer_utils import HPSearchBackend
+
+    monkeypatch.setattr("transformers.integrations.hp_params", lambda trial: trial.params)
+    trainer = TricksTrainer(
+        model_init=lambda: bert_seq_cls(hidden_dropout_prob=0.1),
+        args=tricks_args(tmp_path, **overrides),
+        train_dataset=seq_cls_data(n=12),
+    )
+    trainer.hp_search_backend = HPSearchBackend.OPTUNA
+    trainer.hp_space = lambda trial: dict(trial.params)
+    trainer.train(trial=SimpleNamespace(number=0, params=values))
+    return trainer
+
+
+def test_a_hyperparameter_search_trial_applies_every_trick_field(tmp_path, monkeypatch):
+    trial = {"ema_decay": 0.9, "warmup_ratio": 0.5, "class_weights": ["1", "2", "3"], "rdrop_alpha": 0.5}
+    trainer = _run_trial(tmp_path, monkeypatch, trial, max_steps=4)
+    assert trainer.args.ema_eval is True and trainer.ema is not None and trainer.ema.num_updates == 4
+    assert trainer.args.warmup_steps == 0.5  # warmup_ratio mapped as the constructor maps it
+    assert trainer.lr_scheduler.get_last_lr()[0] < trainer.args.learning_rate
+    names = [type(t).__name__ for t in trainer.tricks]
+    assert names == ["RDrop", "LossFunction", "ExponentialMovingAverage"]
+    torch.testing.assert_close(trainer.tricks[1].class_weights, torch.tensor([1.0, 2.0, 3.0]))
+    assert any("loss_kl" in log for log in trainer.state.log_history)
+
+
+def test_a_hyperparameter_search_trial_is_validated(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        _run_trial(tmp_path, monkeypatch, {"loss_type": "label_smoothing"})  # its factor stays 0

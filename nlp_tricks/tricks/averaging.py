@@ -54,7 +54,13 @@ class ExponentialMovingAverage(Trick):
         problem = ema_unsupported_reason(trainer)
         if problem is not None:
             raise ValueError(problem)
-        trainer.add_callback(self.callback)
+
+    # The trick is the trainer's callback: its EMACallback's events run through it.
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.callback.on_train_begin(args, state, control, **kwargs)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.callback.on_optimizer_step(args, state, control, **kwargs)
 
     def eval_weights(self, trainer):
         return self.ema.swapped_in() if self.args.ema_eval and self.ema is not None else None

@@ -264,3 +264,15 @@ def nested(contexts) -> Iterator[None]:
             if context is not None:
                 stack.enter_context(context)
         yield
+
+
+def tricks_section(tricks, saved_weights: dict | None) -> str:
+    """The model card's section on a run's tricks and, when a trick chose them, the saved weights."""
+    lines = ["", "## Tricks (nlp_tricks)", "", "Trained with `nlp_tricks.TricksTrainer` and these tricks:", ""]
+    lines += [f"- `{setting}`" for trick in tricks for setting in trick.summary()]
+    if saved_weights is not None:
+        what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
+        details = ", ".join(f"{k}: {v}" for k, v in saved_weights.items() if k != "weights")
+        kind = saved_weights["weights"]
+        lines += ["", f"The saved weights are {what.get(kind, kind)} ({details})."]
+    return "\n".join(lines) + "\n"
