@@ -46,6 +46,7 @@ from .losses import (
 from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
 from .outputs import output_logits, output_loss
 from .param_groups import NO_DECAY_PATTERNS, build_param_groups
+from .preemption import PreemptionCallback, install_preemption  # --- Preemption ---
 from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
 from .scheduled_sampling import (  # --- Scheduled sampling ---
     ScheduledSampler,
@@ -171,6 +172,9 @@ class TricksTrainer(Trainer):
                 raise ValueError(problem)
             self._ema_callback = EMACallback(self.args.ema_decay, warmup=self.args.ema_warmup)
             self.add_callback(self._ema_callback)
+        # --- Preemption ---: replaces upstream's in-step JIT save (docs/checkpoints.md)
+        self.preemption: PreemptionCallback = install_preemption(self)
+        self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
         # --- Scheduled sampling ---
         self.scheduled_sampler: ScheduledSampler | None = None
         # While one micro-batch's passes share a draw (FGM / PGD): {"draw": the first pass's draw}; else None.
@@ -761,10 +765,13 @@ class TricksTrainer(Trainer):
         self._swa_checkpoints = None
         if self._ema_callback is not None:
             self._ema_callback.resume_from = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
-        output = super().train(
-            resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
-        )
-        self._finish_weight_averaging()
+        with self.preemption.signal_handlers():  # --- Preemption --- (restored even if training raises)
+            output = super().train(
+                resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+            )
+        self.preempted = self.preemption.stopped_by  # --- Preemption ---
+        if self.preempted is None:  # --- Preemption --- (a stopped run is not averaged)
+            self._finish_weight_averaging()
         return output
 
     # ---- Adversarial -----------------------------------------------------------------------------------------------

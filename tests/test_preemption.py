@@ -1,0 +1,234 @@
+"""Preemption: a signal or --max_time stops training after a whole step with one complete checkpoint, resuming from it
+is the uninterrupted run, and a recipe stopped this way does not look finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from nlp_tricks import TricksTrainer
+from nlp_tricks.averaging import EMA_STATE_NAME
+from nlp_tricks.preemption import (
+    PREEMPTED_EXIT_CODE,
+    PreemptionCallback,
+    parse_duration,
+    set_time_budget,
+)
+from nlp_tricks.resume import checkpoint_problem
+from tiny import bert_token_cls, token_cls_data, tricks_args
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+from preempt_ddp import SendSignal, run_settings  # noqa: E402
+
+# ---- Durations --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("8h45m", 8 * 3600 + 45 * 60), ("30m", 1800), ("90s", 90), ("1d2h", 26 * 3600), ("1.5h", 5400), ("45", 45)],
+)
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "8x", "h", "45m8h", "-5", "0s", "nan"])
+def test_bad_durations_name_the_value_and_the_forms(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+# ---- One process ------------------------------------------------------------------------------------------------
+
+STEPS = 12  # 5 optimizer steps an epoch (20 examples, 2 a micro-batch, 2 micro-batches a step): 7 is mid-epoch
+
+
+def weights(trainer):
+    raw = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    ema = {k: v.detach().clone() for k, v in trainer.ema.state_dict()["shadow"].items()}
+    return raw, ema
+
+
+def assert_close(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys()
+    for key in a:
+        # 1e-6: the runs do the same float32 operations in the same order (one thread); only round-off may differ.
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+
+
+def test_sigterm_mid_step_saves_that_step_and_resume_equals_the_uninterrupted_run(tmp_path, one_thread):
+    before = signal.getsignal(signal.SIGTERM)
+    reference = run_settings(tmp_path / "reference", STEPS)
+    # The signal arrives inside step 7 (between its backward passes and its optimizer step).
+    stopped = run_settings(tmp_path / "run", STEPS, send=SendSignal(step=7, signum=signal.SIGTERM))
+    assert stopped.preempted == "SIGTERM"
+    assert stopped.state.global_step == 7
+    assert signal.getsignal(signal.SIGTERM) == before, "the handler of before training is back"
+    folders = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint-"))
+    assert folders == ["checkpoint-7"]
+    assert checkpoint_problem(tmp_path / "run" / "checkpoint-7", (EMA_STATE_NAME,)) is None
+    state = json.loads((tmp_path / "run" / "checkpoint-7" / "trainer_state.json").read_text())
+    assert state["global_step"] == 7
+    # No evaluation and no averaging at the stop: the EMA at step 7 is the one saved.
+    resumed = run_settings(tmp_path / "run", STEPS, resume=True)
+    assert resumed.preempted is None and resumed.state.global_step == STEPS
+    raw, ema = weights(resumed)
+    raw_ref, ema_ref = weights(reference)
+    assert_close(raw, raw_ref, "raw")
+    assert_close(ema, ema_ref, "EMA")
+
+
+def test_upstream_jit_handler_is_replaced_and_only_installed_while_training(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    args = tricks_args(tmp_path, enable_jit_checkpoint=True)
+    trainer = TricksTrainer(model=bert_token_cls(), args=args, train_dataset=token_cls_data())
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert "JITCheckpointCallback" not in names and names.count("PreemptionCallback") == 1
+    assert signal.getsignal(signal.SIGTERM) == before, "nothing caught before train()"
+
+    seen = {}
+
+    class Look(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen[state.global_step] = signal.getsignal(signal.SIGTERM)
+
+    trainer.add_callback(Look())
+    trainer.train()
+    assert seen[1] == trainer.preemption._handle
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert trainer.preempted is None
+
+    # Without enable_jit_checkpoint nothing is caught.
+    off = TricksTrainer(model=bert_token_cls(), args=tricks_args(tmp_path / "off"), train_dataset=token_cls_data())
+    assert off.preemption.signals == ()
+
+
+def test_handlers_come_back_when_training_raises(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise RuntimeError("boom")
+
+    args = tricks_args(tmp_path, enable_jit_checkpoint=True)
+    trainer = TricksTrainer(model=bert_token_cls(), args=args, train_dataset=token_cls_data(), callbacks=[Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_during_the_last_step_still_saves_and_reports_the_stop(tmp_path):
+    args = tricks_args(tmp_path, enable_jit_checkpoint=True, max_steps=3)
+    trainer = TricksTrainer(
+        model=bert_token_cls(),
+        args=args,
+        train_dataset=token_cls_data(),
+        callbacks=[SendSignal(step=3, signum=signal.SIGUSR1)],
+    )
+    trainer.train()
+    # The final evaluation / prediction of a script may not fit in the grace period: the run says it was stopped.
+    assert trainer.preempted == "SIGUSR1" and trainer.state.global_step == 3
+    assert checkpoint_problem(tmp_path / "checkpoint-3") is None
+
+
+class SlowSteps(TrainerCallback):
+    """Steps of a known length, so that the time budget's estimate has something to measure."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(0.2)
+
+
+def test_max_time_stops_before_the_deadline_with_a_checkpoint(tmp_path):
+    start = time.time()
+    deadline = start + 3.0
+    args = tricks_args(tmp_path, max_steps=1000)
+    trainer = TricksTrainer(
+        model=bert_token_cls(), args=args, train_dataset=token_cls_data(n=64), callbacks=[SlowSteps()]
+    )
+    trainer.preemption.deadline = deadline
+    trainer.train()
+    ended = time.time()
+    assert trainer.preempted == "max_time"
+    assert ended < deadline, f"ended {ended - deadline:.2f} s after the deadline"
+    step = trainer.state.global_step
+    assert 3 <= step < 1000
+    assert checkpoint_problem(tmp_path / f"checkpoint-{step}") is None
+
+
+def test_process_wide_budget_applies_to_every_trainer_and_can_be_cleared(tmp_path):
+    try:
+        set_time_budget(0.001, start=time.time() - 10)  # already spent: stop after the first step
+        args = tricks_args(tmp_path, max_steps=5)
+        trainer = TricksTrainer(model=bert_token_cls(), args=args, train_dataset=token_cls_data())
+        trainer.train()
+        assert trainer.preempted == "max_time" and trainer.state.global_step == 1
+    finally:
+        set_time_budget(None)
+    trainer = TricksTrainer(
+        model=bert_token_cls(), args=tricks_args(tmp_path / "free", max_steps=2), train_dataset=token_cls_data()
+    )
+    trainer.train()
+    assert trainer.preempted is None and trainer.state.global_step == 2
+
+
+def test_works_on_a_plain_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from nlp_tricks.preemption import install_preemption
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=6,
+        per_device_train_batch_size=4,
+        enable_jit_checkpoint=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=bert_token_cls(), args=args, train_dataset=token_cls_data(), callbacks=[SendSignal(step=2)]
+    )
+    callback = install_preemption(trainer)
+    assert isinstance(callback, PreemptionCallback)
+    with callback.signal_handlers():
+        trainer.train()
+    assert callback.stopped_by == "SIGTERM" and trainer.state.global_step == 2
+    assert checkpoint_problem(tmp_path / "checkpoint-2") is None
+
+
+# ---- Two processes (DDP on CPU, gloo) ------------------------------------------------------------------------------
+
+
+def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exact(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += [str(ROOT / "tests" / "scripts" / "preempt_ddp.py"), str(tmp_path)]
+    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in (0, 1)]
+    for r, report in enumerate(reports):
+        assert report["world_size"] == 2
+        assert report["stopped_by"] == "SIGTERM", f"rank {r}"
+        assert report["stopped_at"] == 7, f"rank {r}"
+        assert report["max_raw_diff"] <= 1e-6 and report["max_ema_diff"] <= 1e-6, report
+    assert reports[0]["checkpoints"] == ["checkpoint-7"]
+    checkpoint = tmp_path / "run" / "checkpoint-7"
+    assert checkpoint_problem(checkpoint, (EMA_STATE_NAME,)) is None
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+
+
+def test_exit_code_is_documented():
+    assert f"`{PREEMPTED_EXIT_CODE}`" in (ROOT / "docs" / "checkpoints.md").read_text()
