@@ -24,12 +24,20 @@ from nlp_tricks.preemption import (
     set_time_budget,
 )
 from nlp_tricks.resume import checkpoint_problem
+from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 from preempt_ddp import SendSignal, run_settings  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_time_budget_left_behind():
+    yield
+    set_time_budget(None)  # a recipe run in this process sets the process-wide budget
+
 
 # ---- Durations --------------------------------------------------------------------------------------------------
 
@@ -63,7 +71,7 @@ def assert_close(a: dict, b: dict, what: str):
     assert a.keys() == b.keys()
     for key in a:
         # 1e-6: the runs do the same float32 operations in the same order (one thread); only round-off may differ.
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=lambda m, key=key: f"{what} {key}: {m}")
 
 
 def test_sigterm_mid_step_saves_that_step_and_resume_equals_the_uninterrupted_run(tmp_path, one_thread):
@@ -232,3 +240,54 @@ def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exa
 
 def test_exit_code_is_documented():
     assert f"`{PREEMPTED_EXIT_CODE}`" in (ROOT / "docs" / "checkpoints.md").read_text()
+
+
+# ---- Recipes ---------------------------------------------------------------------------------------------------
+
+
+def _ner_args(tiny_model, tmp_path, *extra):
+    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    return tiny_args(tiny_model, tmp_path / "out", *files, "--max_steps", "4", "--save_strategy", "no", *extra)
+
+
+def test_recipe_stopped_by_sigterm_exits_75_looking_unfinished_and_resume_finishes_it(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "out"
+    original = TricksTrainer.__init__
+
+    def with_signal(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(SendSignal(step=2))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TricksTrainer, "__init__", with_signal)
+        assert run_in_process("ner", _ner_args(tiny_model, tmp_path), monkeypatch) == PREEMPTED_EXIT_CODE
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stopped by")]
+    assert lines == ["stopped by SIGTERM at step 2; rerun with --resume_from_checkpoint true"]
+    written = {p.name for p in out.iterdir()}
+    assert written == {"checkpoint-2"}, "no final model, state, results or predictions"
+    assert checkpoint_problem(out / "checkpoint-2") is None
+
+    resumed = _ner_args(tiny_model, tmp_path, "--resume_from_checkpoint", "true")
+    assert run_in_process("ner", resumed, monkeypatch) == 0
+    assert (out / "all_results.json").is_file() and (out / "test_predictions.txt").is_file()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
+
+
+def test_recipe_max_time_spent_stops_after_the_first_step(tiny_model, tmp_path, monkeypatch, capsys):
+    # The budget counts from the start of this (pytest) process: 1 s is spent before training begins.
+    args = _ner_args(tiny_model, tmp_path, "--max_time", "1s")
+    assert run_in_process("ner", args, monkeypatch) == PREEMPTED_EXIT_CODE
+    assert "stopped by --max_time at step 1; rerun with --resume_from_checkpoint true" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "all_results.json").exists()
+
+
+def test_recipe_bad_max_time_is_one_parser_error(tiny_model, tmp_path, monkeypatch, capsys):
+    assert run_in_process("ner", _ner_args(tiny_model, tmp_path, "--max_time", "8x"), monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "--max_time: '8x' is not a duration" in err and "Traceback" not in err
