@@ -216,6 +216,8 @@ class PreemptionCallback(TrainerCallback):
         self._active = bool(self.signals) or self._deadline is not None
         if self.signals:
             self.install_signal_handlers()
+        # Before the workers start (when the epoch's iteration begins).
+        self._protect_workers(kwargs.get("train_dataloader"))
         if model is not None:
             self._model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self._active and args.save_only_model:
@@ -223,6 +225,13 @@ class PreemptionCallback(TrainerCallback):
                 "save_only_model=True: a preemption checkpoint holds no optimizer, scheduler or RNG state, so "
                 "resuming from it is not the uninterrupted run"
             )
+
+    def _protect_workers(self, loader) -> None:
+        # accelerate's loaders wrap a torch DataLoader (`base_dataloader`), whose attributes start the workers.
+        loader = getattr(loader, "base_dataloader", loader)
+        if self.signals and loader is not None and getattr(loader, "num_workers", 0) > 0:
+            if not isinstance(loader.worker_init_fn, _WorkerIgnoresSignals):
+                loader.worker_init_fn = _WorkerIgnoresSignals(self.signals, loader.worker_init_fn)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.monotonic()
@@ -304,6 +313,25 @@ class PreemptionCallback(TrainerCallback):
         if args.save_strategy == SaveStrategy.STEPS and state.save_steps and following % state.save_steps == 0:
             upcoming += save
         return time.time() + self.margin * (upcoming + save) > self._deadline
+
+
+class _WorkerIgnoresSignals:
+    """A data-loader ``worker_init_fn``: the worker ignores the preemption signals, then runs the loader's own.
+
+    Workers belong to the main process, which ends them. A signal sent to the whole process group (SLURM, a
+    terminal) would otherwise kill them (torch's worker handler re-raises SIGTERM's default action), and the main
+    process would fail on its next batch instead of saving. Runs after torch installs that handler.
+    """
+
+    def __init__(self, signals: tuple, init_fn=None):
+        self.signals = signals
+        self.init_fn = init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
 
 
 def install_preemption(trainer, deadline: float | None = None) -> PreemptionCallback:

@@ -25,6 +25,7 @@ from nlp_tricks.preemption import (
 )
 from nlp_tricks.resume import checkpoint_problem
 from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
+from recipe_helpers import env as recipe_env
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,3 +292,31 @@ def test_recipe_bad_max_time_is_one_parser_error(tiny_model, tmp_path, monkeypat
     assert run_in_process("ner", _ner_args(tiny_model, tmp_path, "--max_time", "8x"), monkeypatch) == 2
     err = capsys.readouterr().err
     assert "--max_time: '8x' is not a duration" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a recipe subprocess with two data-loader workers: ~35 s on 2 shared cores
+def test_signal_to_the_whole_process_group_spares_the_data_loader_workers(tiny_model, tmp_path):
+    """SLURM and terminals signal the process group: the workers must not die before the main process saves."""
+    args = _ner_args(tiny_model, tmp_path, "--max_steps", "100000", "--dataloader_num_workers", "2")
+    cmd = [sys.executable, str(ROOT / "recipes" / "ner.py"), *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output = []
+    for line in proc.stdout:  # training has begun (and the workers run) once a step's loss is logged
+        output.append(line)
+        if "'loss'" in line:
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    output += proc.stdout.readlines()
+    assert proc.wait(timeout=300) == PREEMPTED_EXIT_CODE, "".join(output)[-3000:]
+    stop = [line for line in output if line.startswith("stopped by SIGTERM at step ")]
+    assert len(stop) == 1, "".join(output)[-3000:]
+    step = int(stop[0].split()[5].rstrip(";"))
+    assert checkpoint_problem(tmp_path / "out" / f"checkpoint-{step}") is None
