@@ -150,6 +150,38 @@ def test_a_signal_during_the_last_step_still_saves_and_reports_the_stop(tmp_path
     assert checkpoint_problem(tmp_path / "checkpoint-3") is None
 
 
+def test_the_stop_skips_the_due_evaluation_and_keeps_its_checkpoint_beside_the_best(tmp_path):
+    args = tricks_args(
+        tmp_path,
+        enable_jit_checkpoint=True,
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
+    trainer = TricksTrainer(
+        model=bert_token_cls(),
+        args=args,
+        train_dataset=token_cls_data(n=40),
+        eval_dataset=token_cls_data(n=4, seed=1),
+        callbacks=[SendSignal(step=4)],
+    )
+    trainer.train()
+    assert trainer.preempted == "SIGTERM" and trainer.state.global_step == 4
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2], "no evaluation at the stop"
+    # save_total_limit=1 with a best checkpoint: upstream's end of training deletes every other one, not this one.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    assert checkpoint_problem(tmp_path / "checkpoint-4") is None
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+
+
 class SlowSteps(TrainerCallback):
     """Steps of a known length, so that the time budget's estimate has something to measure."""
 
