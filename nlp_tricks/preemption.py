@@ -148,7 +148,7 @@ class PreemptionCallback(TrainerCallback):
         self.margin = margin
         self.stopped_by: str | None = None
         self.stop_step: int | None = None
-        # Per train() call: the code of the first signal received here (set by the handler, nothing else is).
+        # The code of the first signal received since the handlers were installed (set by the handler only).
         self._received = 0
         self._previous_handlers: dict = {}
         self._active = False  # whether step boundaries check and combine (the same on every process)
@@ -179,6 +179,8 @@ class PreemptionCallback(TrainerCallback):
         if threading.current_thread() is not threading.main_thread():
             logger.warning("training runs outside the main thread: preemption signals cannot be caught there")
             return
+        # Reset here, not at on_train_begin: a signal during the setup before it (a checkpoint loading) counts.
+        self._received = 0
         for signum in self.signals:
             self._previous_handlers[signum] = signal.signal(signum, self._handle)
 
@@ -203,7 +205,6 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.stopped_by = None
         self.stop_step = None
-        self._received = 0
         self._stash_best = None
         self._step_times.clear()
         self._eval_time = 0.0

@@ -136,6 +136,18 @@ def test_handlers_come_back_when_training_raises(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_signal_during_the_setup_before_the_first_step_is_not_lost(tmp_path):
+    class SignalledWhileLoading(TricksTrainer):
+        def get_train_dataloader(self):  # inside train(), before on_train_begin (like a checkpoint being loaded)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return super().get_train_dataloader()
+
+    args = tricks_args(tmp_path, enable_jit_checkpoint=True, max_steps=5)
+    trainer = SignalledWhileLoading(model=bert_token_cls(), args=args, train_dataset=token_cls_data())
+    trainer.train()
+    assert trainer.preempted == "SIGTERM" and trainer.state.global_step == 1
+
+
 def test_a_signal_during_the_last_step_still_saves_and_reports_the_stop(tmp_path):
     args = tricks_args(tmp_path, enable_jit_checkpoint=True, max_steps=3)
     trainer = TricksTrainer(
