@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "TricksArguments": ".config",
     "TricksTrainer": ".trainer",
+    "Trick": ".tricks",
     "focal_loss": ".losses",
     "label_smoothing_cross_entropy": ".losses",
     "cross_entropy": ".losses",
@@ -33,6 +34,7 @@ _EXPORTS = {
 __all__ = [
     "TricksArguments",
     "TricksTrainer",
+    "Trick",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -76,3 +78,4 @@ if TYPE_CHECKING:
     )
     from .param_groups import build_param_groups
     from .trainer import TricksTrainer
+    from .tricks import Trick

@@ -6,22 +6,13 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .adversarial import ADV_NORMS, validate_attack, validate_awp, validate_freelb
-from .averaging import validate_ema_decay
-from .heads import validate_multi_sample_dropout
-from .losses import parse_class_weights
-from .scheduled_sampling import MODES, SCHEDULES, validate_mixing, validate_schedule  # --- Scheduled sampling ---
+from .adversarial import ADV_NORMS
+from .scheduled_sampling import MODES, SCHEDULES
+from .tricks import validate_arguments
+from .tricks.adversarial import ADVERSARIAL_METHODS
+from .tricks.loss import LOSS_TYPES
 
 __all__ = ["TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
-
-LOSS_TYPES = ("ce", "focal", "label_smoothing")
-# --- Adversarial ---
-ADVERSARIAL_METHODS = ("none", "fgm", "pgd", "awp", "freelb")
-
-
-def _choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
 
 
 @dataclass
@@ -310,134 +301,9 @@ class TricksArguments(TrainingArguments):
             self.warmup_steps = self.warmup_ratio
         super().__post_init__()
 
-        _choice("loss_type", self.loss_type, LOSS_TYPES)
-        if self.focal_gamma < 0:
-            raise ValueError(f"focal_gamma={self.focal_gamma} is not allowed; it must be >= 0")
-        if self.focal_alpha is not None:
-            if self.loss_type != "focal":
-                raise ValueError(f"focal_alpha is only used with loss_type='focal', not {self.loss_type!r}")
-            if len(self.focal_alpha) == 0 or any(a < 0 for a in self.focal_alpha):
-                raise ValueError(
-                    f"focal_alpha={self.focal_alpha} is not allowed; give one value in [0, 1] or one weight >= 0 per "
-                    "class"
-                )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} is not allowed; it must be > 0")
-        if not 0.0 <= self.label_smoothing_factor < 1.0:
-            raise ValueError(
-                f"label_smoothing_factor={self.label_smoothing_factor} is not allowed; it must be in [0, 1)"
-            )
-        if self.loss_type == "label_smoothing" and self.label_smoothing_factor == 0:
-            raise ValueError(
-                "loss_type='label_smoothing' takes its smoothing mass from label_smoothing_factor, which is 0; "
-                "set label_smoothing_factor in (0, 1), e.g. 0.1"
-            )
-        if self.loss_type == "focal" and self.label_smoothing_factor > 0:
-            raise ValueError(
-                "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
-            )
-        if self.distill_temperature <= 0:
-            raise ValueError(f"distill_temperature={self.distill_temperature} is not allowed; it must be > 0")
-        if not 0.0 <= self.distill_alpha <= 1.0:
-            raise ValueError(f"distill_alpha={self.distill_alpha} is not allowed; it must be in [0, 1]")
         if self.head_lr_scale <= 0:
             raise ValueError(f"head_lr_scale={self.head_lr_scale} is not allowed; it must be > 0")
         if not 0.0 < self.layer_decay <= 1.0:
             raise ValueError(f"layer_decay={self.layer_decay} is not allowed; it must be in (0, 1]")
-
-        # --- Adversarial ---
-        _choice("adversarial", self.adversarial, ADVERSARIAL_METHODS)
-        validate_attack(
-            self.adv_epsilon,
-            self.adv_alpha,
-            self.adv_steps,
-            self.adv_norm,
-            names=("adv_epsilon", "adv_alpha", "adv_steps", "adv_norm"),
-            epsilon_may_be_zero=self.adversarial == "freelb",
-        )
-        if self.adv_target is not None and not self.adv_target.strip():
-            raise ValueError("adv_target='' is not allowed; give a module name such as 'word_embeddings' or omit it")
-        validate_freelb(self.adv_init_mag, name="adv_init_mag")
-        validate_awp(self.awp_gamma, self.awp_target, names=("awp_gamma", "awp_target"))
-        if int(self.adv_start_step) != self.adv_start_step or self.adv_start_step < 0:
-            raise ValueError(f"adv_start_step={self.adv_start_step} is not allowed; it must be an integer >= 0")
-        if self.adversarial != "none" and getattr(self.optim, "value", self.optim) in ("lomo", "adalomo"):
-            raise ValueError(
-                f"adversarial={self.adversarial!r} needs several backward passes per step, but optim={self.optim!r} "
-                "updates the weights inside backward; choose another optimizer"
-            )
-
-        # --- Weight averaging ---
-        validate_ema_decay(self.ema_decay, "ema_decay", allow_off=True)
-        if self.ema_eval is None:
-            self.ema_eval = self.ema_decay > 0
-        elif self.ema_eval and self.ema_decay == 0:
-            raise ValueError("ema_eval=True needs an EMA to evaluate: set ema_decay in (0, 1), e.g. 0.999")
-        if int(self.swa_last_k) != self.swa_last_k or self.swa_last_k < 0:
-            raise ValueError(f"swa_last_k={self.swa_last_k} is not allowed; it must be an integer >= 0 (0: off)")
-        if self.swa_last_k > 0:
-            if getattr(self.save_strategy, "value", self.save_strategy) == "no":
-                raise ValueError(
-                    f"swa_last_k={self.swa_last_k} averages saved checkpoints, but save_strategy='no'; choose "
-                    "save_strategy 'steps' or 'epoch'"
-                )
-            if self.save_total_limit is not None and self.save_total_limit < self.swa_last_k:
-                raise ValueError(
-                    f"swa_last_k={self.swa_last_k} needs that many checkpoints, but save_total_limit="
-                    f"{self.save_total_limit} deletes older ones; set save_total_limit >= {self.swa_last_k} or none"
-                )
-            if self.load_best_model_at_end:
-                raise ValueError(
-                    "swa_last_k and load_best_model_at_end both choose the final weights; use one of them"
-                )
-            if self.ema_eval:
-                raise ValueError(
-                    "swa_last_k and ema_eval both choose the final weights; to average the raw checkpoints while "
-                    "keeping an EMA, set ema_eval=False"
-                )
-
-        # --- Heads and labels ---
-        if self.crf_lr_scale <= 0:
-            raise ValueError(f"crf_lr_scale={self.crf_lr_scale} is not allowed; it must be > 0")
-        if self.crf_bio_constraints and not self.crf:
-            raise ValueError("crf_bio_constraints=True needs crf=True")
-        if self.crf and (self.loss_type != "ce" or self.label_smoothing_factor > 0 or self.temperature != 1.0):
-            raise ValueError(
-                "crf=True replaces the loss with the CRF's negative log-likelihood; use loss_type='ce', "
-                "label_smoothing_factor=0 and temperature=1.0 with it"
-            )
-        self.class_weights = parse_class_weights(self.class_weights, name="class_weights")
-        if self.class_weights is not None:
-            if self.crf:
-                raise ValueError("class_weights do not apply to crf=True (the CRF scores whole tag sequences)")
-            if self.loss_type not in ("ce", "label_smoothing"):
-                raise ValueError(
-                    f"class_weights apply to loss_type 'ce' or 'label_smoothing', not {self.loss_type!r}; focal loss "
-                    "takes its class weights from focal_alpha"
-                )
-        validate_multi_sample_dropout(
-            self.head_dropout_samples, self.head_dropout, names=("head_dropout_samples", "head_dropout")
-        )
-        # --- Scheduled sampling ---
-        _choice("scheduled_sampling", self.scheduled_sampling, ("none", *SCHEDULES))
-        if self.scheduled_sampling != "none":
-            validate_schedule(
-                self.scheduled_sampling,
-                self.ss_k,
-                self.ss_min_ratio,
-                names=("scheduled_sampling", "ss_k", "ss_min_ratio"),
-            )
-        else:
-            if self.ss_k is not None:
-                raise ValueError(f"ss_k={self.ss_k} is only used with a scheduled_sampling schedule, which is 'none'")
-            if not 0.0 <= self.ss_min_ratio <= 1.0:
-                raise ValueError(f"ss_min_ratio={self.ss_min_ratio} is not allowed; it must be in [0, 1]")
-        validate_mixing(self.ss_mode, self.ss_temperature, names=("ss_mode", "ss_temperature"))
-        # --- R-Drop ---
-        if not self.rdrop_alpha >= 0:
-            raise ValueError(f"rdrop_alpha={self.rdrop_alpha} is not allowed; it must be >= 0 (0: off)")
-        if self.rdrop_alpha > 0 and self.crf:
-            raise ValueError(
-                f"rdrop_alpha={self.rdrop_alpha} compares per-position distributions, which crf=True does not train "
-                "(the CRF scores whole tag sequences); use one of them"
-            )
+        # Each trick's checks are in its module (nlp_tricks/tricks/); checks across two tricks in validate_arguments.
+        validate_arguments(self)

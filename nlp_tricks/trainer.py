@@ -1,18 +1,14 @@
-"""TricksTrainer: a ``transformers.Trainer`` that wires the tricks of nlp_tricks in, driven by TricksArguments."""
+"""TricksTrainer: a ``transformers.Trainer`` that runs the tricks of nlp_tricks, built from TricksArguments."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
-import weakref
 from collections import defaultdict
 
 import torch
-from accelerate.utils import DistributedType, is_compiled_module
-from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -20,39 +16,16 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from . import _upstream
-from .adversarial import AWP, FGM, PGD, FreeLB  # --- Adversarial ---
-from .averaging import (  # --- Weight averaging ---
-    AVERAGING_INFO_NAME,
-    EMA,
-    EMA_STATE_NAME,
-    EMACallback,
-    average_into,
-    ema_unsupported_reason,
-    last_complete_checkpoints,
-    write_averaging_info,
-)
+from .averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
 from .config import TricksArguments
-from .crf import CRF, add_crf, compact, expand  # --- Heads and labels ---
-from .heads import MultiSampleDropout
-from .losses import (
-    balanced_class_weights,
-    cross_entropy,
-    distillation_loss,
-    focal_alpha_weights,
-    focal_loss,
-    label_smoothing_cross_entropy,
-    rdrop_kl,
-)
-from .neftune import NEFTuneNoise  # --- NEFTune with adversarial ---
+from .losses import distillation_loss
 from .outputs import output_logits, output_loss
 from .param_groups import NO_DECAY_PATTERNS, build_param_groups
 from .preemption import PreemptionCallback, install_preemption  # --- Preemption ---
 from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
-from .scheduled_sampling import (  # --- Scheduled sampling ---
-    ScheduledSampler,
-    ScheduledSamplingDraw,
-    causal_scheduled_sampling_forward,
-)
+from .tricks import LossBatch, Trick, built_in_tricks
+from .tricks.averaging import ExponentialMovingAverage
+from .tricks.base import TRICKS_STATE_NAME, checkpoint_trick_states, nested, save_trick_states
 
 __all__ = ["TricksTrainer"]
 
@@ -60,63 +33,44 @@ logger = logging.getLogger(__name__)
 
 
 class TricksTrainer(Trainer):
-    """A drop-in ``transformers.Trainer`` whose tricks are switched on by :class:`TricksArguments`.
+    """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
+    and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``.
 
     What it changes, and nothing else (training loop, mixed precision, DDP / FSDP / DeepSpeed, clipping, schedulers,
     logging and checkpoints stay upstream's):
 
-    - :meth:`compute_loss` pops ``labels``, runs the model without its own loss and applies ``args.loss_type``
-      (cross-entropy, focal or label smoothing) to ``logits / args.temperature``. The loss is a sum divided by
-      ``num_items_in_batch`` (the label count of the whole accumulated, all-process batch), so gradient accumulation
-      is exact for every loss. Float labels (regression, multi-label) and regression heads keep the model's own loss,
-      rescaled likewise, and warn once if a loss trick is set. A batch that carries ``teacher_logits`` (self-training
-      with soft labels) gets :func:`~nlp_tricks.losses.distillation_loss` at ``args.distill_temperature`` /
-      ``args.distill_alpha`` instead. Question answering gets the loss over start and end positions (their mean, as
-      the models' own); a single custom ``label_names`` column is the labels. ``compute_loss_func=`` works as on
-      plain Trainer (and refuses the loss tricks it would replace). See docs/compatibility.md.
-      For causal LMs (PEFT-wrapped ones too) every loss scores the logits at position t against the label at
-      t + 1 (or the collator's ``shift_labels``), as the model's own loss does; the item count is over those labels.
-    - Heads and labels (docs/heads.md): ``crf`` attaches a CRF (``model.crf``) whose negative log-likelihood over
-      the labelled positions is the loss (per sentence) and whose Viterbi paths are the predictions (one-hot scores
-      from :meth:`prediction_step`); ``class_weights`` weigh ``ce`` / ``label_smoothing`` like
-      ``F.cross_entropy(weight=)``; ``head_dropout_samples`` averages the losses of K dropout masks on the head's
-      input. Their item counts (sentences, weight sums) replace the token count in ``num_items_in_batch``.
-    - Scheduled sampling on decoder-only causal LMs (``--scheduled_sampling``, ``--ss_*``): in training,
-      :meth:`forward_for_loss` runs the model teacher-forced under ``no_grad``, replaces each completion token (label
-      not -100) by its prediction with probability ``1 - ratio`` and returns a second pass on that input, whose logits
-      the configured loss is taken on. With FGM / PGD every pass of a micro-batch reuses the clean pass's draw.
-    - :meth:`create_optimizer` builds the groups of :func:`~nlp_tricks.build_param_groups` (no decay on biases and
-      norms, ``head_lr_scale``, ``layer_decay``) for the optimizer ``--optim`` names. Schedulers scale every group's
-      lr by the same factor, so the ratios hold through warmup and decay. The logged ``learning_rate`` is the body's
-      (``args.learning_rate`` times the schedule) on every model, ``lr/<group>`` each group's.
-    - Weight averaging (``--ema_decay``, ``--ema_eval``, ``--swa_last_k``; :mod:`nlp_tricks.averaging`): an
-      :class:`~nlp_tricks.averaging.EMA` updated after every optimizer step, saved in every checkpoint and restored
-      on resume; :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` swap it in (the raw weights come
-      back bitwise); or the average of the last checkpoints loaded at the end of training.
+    - :meth:`compute_loss` pops the labels, runs the model without its own loss and takes the configured loss on its
+      logits as one written pipeline: the tricks' batch changes (R-Drop doubles it), the forward
+      (:meth:`forward_for_loss`; a CRF computes its loss inside it, scheduled sampling runs two passes), the loss on
+      each head's logits (:meth:`compute_tricks_loss`; multi-sample dropout averages K heads, R-Drop adds its KL),
+      the tricks' ``adjust_loss``, the device scaling. The loss is a sum divided by ``num_items_in_batch`` (the item
+      count of the whole accumulated, all-process batch, each trick counting its own items), so gradient
+      accumulation is exact for every loss. Float labels (regression, multi-label) and regression heads keep the
+      model's own loss, and warn once if a loss trick is set; batches with ``teacher_logits`` get
+      :func:`~nlp_tricks.losses.distillation_loss`; question answering gets the loss over start and end positions;
+      ``compute_loss_func=`` works as on plain Trainer (and refuses the loss tricks it would replace). Causal LMs
+      score the logits at t against the label at t + 1 (docs/decoder_only.md).
+    - :meth:`training_step` is upstream's, unless a trick takes the step (adversarial training's extra passes).
+    - :meth:`create_optimizer` builds :meth:`build_optimizer_groups` (no decay on biases and norms, ``head_lr_scale``,
+      ``layer_decay``, the tricks' own rules) for the optimizer ``--optim`` names. The logged ``learning_rate`` is the
+      body's on every model, ``lr/<group>`` each group's.
+    - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
+      EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
+      files and states, and :meth:`train` restores them on resume.
 
-    Extension points for subclasses:
-
-    - :meth:`compute_tricks_loss` ``(logits, labels, num_items_in_batch=None)``: the loss on the logits. Override it to
-      add a loss; call ``super()`` for the built-in ones.
-    - :meth:`build_optimizer_groups` ``(model)``: the optimizer's parameter groups.
-    - ``compute_loss`` / ``create_optimizer`` keep upstream's signatures and may be overridden as on any Trainer.
-
-    Example::
-
-        from nlp_tricks import TricksArguments, TricksTrainer, focal_loss
-
-        class MyTrainer(TricksTrainer):
-            def compute_tricks_loss(self, logits, labels, num_items_in_batch=None):
-                loss = super().compute_tricks_loss(logits, labels, num_items_in_batch=num_items_in_batch)
-                # e.g. add an auxiliary focal term on the same logits
-                return loss + 0.1 * focal_loss(logits, labels, gamma=1.0, num_items_in_batch=num_items_in_batch)
-
-        args = TricksArguments(output_dir="out", loss_type="label_smoothing", label_smoothing_factor=0.1,
-                               layer_decay=0.9, head_lr_scale=10.0, warmup_ratio=0.1)
-        MyTrainer(model=model, args=args, train_dataset=train, data_collator=collator).train()
+    Extension points: :meth:`compute_tricks_loss`, :meth:`forward_for_loss`, :meth:`build_optimizer_groups`,
+    :meth:`record_metric`, :attr:`trick_state`; upstream's signatures are kept for the methods it overrides. A trick
+    of your own needs no subclass: see :class:`~nlp_tricks.Trick` and docs/tricks.md.
     """
 
-    def __init__(self, model=None, args: TricksArguments | None = None, *positional, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: TricksArguments | None = None,
+        *positional,
+        tricks: list[Trick] | tuple[Trick, ...] = (),
+        **kwargs,
+    ):
         if args is None:
             args = TricksArguments(output_dir="tmp_trainer")
         if not isinstance(args, TricksArguments):
@@ -124,19 +78,20 @@ class TricksTrainer(Trainer):
                 f"TricksTrainer needs TricksArguments (a TrainingArguments subclass), got {type(args).__name__}; "
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
-        self._msd: MultiSampleDropout | None = None  # --- Heads and labels ---
-        self._crf_hook: _CRFLossHook | None = None
+        for trick in tricks:
+            if not isinstance(trick, Trick):
+                raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
+        #: The tricks of this run, in the order their hooks run (the built-in ones, then ``tricks=``).
+        self.tricks: list[Trick] = built_in_tricks(args, user_tricks=tricks)
         if model is not None:
-            self._prepare_heads(model, args)
+            for trick in self.tricks:
+                trick.prepare_model(self, model)
         super().__init__(model, args, *positional, **kwargs)
-        # --- Drop-in compatibility ---
         self._check_compute_loss_func()
         self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
         self._warned: set[str] = set()
-        self._class_weights = self._resolve_class_weights()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
-        # --- Causal LM ---
         # Whether the loss scores the logits at position t against the label at t + 1. Upstream's Trainer decides it
         # twice: from the model's `loss_type` (which also sets its item count over `labels[..., 1:]`) and, in its
         # label-smoothing path, from the class name among the causal LMs. The first misses causal LMs whose class name
@@ -148,42 +103,29 @@ class TricksTrainer(Trainer):
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
         self.trick_state: dict[str, float] = {}
-        # --- Adversarial ---
-        self._adversary: FGM | PGD | AWP | FreeLB | None = None
-        if self.args.adversarial != "none":
-            self.trick_state.setdefault("adv_skipped", 0)
-            if self.args.adv_start_step > 0:
-                self.trick_state.setdefault("adv_plain_steps", 0)
-        # --- R-Drop ---
-        self._rdrop_checked = False  # the first R-Drop batch checks that the model has active dropout
-        # --- NEFTune with adversarial ---
-        # Upstream's NEFTune hook draws fresh noise at every forward, so the attack's passes would see other noise
-        # than the clean pass they perturb. training_step adds the noise itself instead: drawn in the clean pass,
-        # replayed in the adversarial ones (nlp_tricks.neftune). Without --adversarial upstream's hook stays.
-        self._attack_neftune_alpha = None
-        if self.neftune_noise_alpha is not None and self.args.adversarial != "none":
-            self._attack_neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
-        # --- Weight averaging ---
-        self._ema_callback: EMACallback | None = None
-        self._swa_checkpoints: list[str] | None = None
-        if self.args.ema_decay > 0:
-            problem = ema_unsupported_reason(self)
-            if problem is not None:
-                raise ValueError(problem)
-            self._ema_callback = EMACallback(self.args.ema_decay, warmup=self.args.ema_warmup)
-            self.add_callback(self._ema_callback)
+        stepping = [trick for trick in self.tricks if trick.overrides("training_step")]
+        if len(stepping) > 1:
+            raise ValueError(
+                f"{' and '.join(map(repr, stepping))} each run the whole training step; only one trick of a run may"
+            )
+        for trick in self.tricks:
+            self.add_callback(trick)
+            trick.setup(self)
         # --- Preemption ---: replaces upstream's in-step JIT save (docs/checkpoints.md)
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
-        # --- Scheduled sampling ---
-        self.scheduled_sampler: ScheduledSampler | None = None
-        # While one micro-batch's passes share a draw (FGM / PGD): {"draw": the first pass's draw}; else None.
-        self._ss_shared: dict | None = None
-        if self.args.scheduled_sampling != "none":
-            args = self.args
-            self.scheduled_sampler = ScheduledSampler(args.scheduled_sampling, args.ss_k, args.ss_min_ratio)
-            if self.model is not None:
-                self._check_scheduled_sampling_model(self.accelerator.unwrap_model(self.model))
+
+    def get_trick(self, kind: type[Trick]) -> Trick | None:
+        """The run's trick of class ``kind`` (the first one), or ``None``."""
+        return next((trick for trick in self.tricks if isinstance(trick, kind)), None)
+
+    def _first(self, hook: str, *args):
+        """The first answer other than ``None`` of the tricks' ``hook``, in their order."""
+        for trick in self.tricks:
+            answer = getattr(trick, hook)(self, *args)
+            if answer is not None:
+                return answer
+        return None
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -244,20 +186,28 @@ class TricksTrainer(Trainer):
         answering takes the loss over ``start_positions`` / ``end_positions`` as the model does. Where a trick cannot
         apply (float labels, a regression head) the model's own loss is used and a one-time warning says so. Inputs
         without labels go to the model as they are; a ``compute_loss_func`` given to the constructor is upstream's.
+        In training, the tricks' ``adjust_loss`` then add their terms (:meth:`adjust_loss`).
         """
         if self.compute_loss_func is not None:
-            return self._compute_loss_with_loss_func(model, inputs, return_outputs, num_items_in_batch)
-        label_key = self._label_key(inputs)
-        if label_key is None:
-            if self.args.rdrop_alpha > 0 and model.training:  # --- R-Drop ---
-                self._warn_once(
-                    f"rdrop_alpha={self.args.rdrop_alpha} cannot apply to batches without one label column "
-                    "(question answering, several label columns): they train without it"
-                )
-            return self._compute_loss_without_labels(model, inputs, return_outputs)
+            loss, outputs = self._compute_loss_with_loss_func(model, inputs, num_items_in_batch)
+        else:
+            label_key = self._label_key(inputs)
+            if label_key is None:
+                loss, outputs = self._compute_loss_without_labels(model, inputs)
+            else:
+                loss, outputs = self._compute_labelled_loss(model, inputs, label_key, num_items_in_batch)
+        if model.training and torch.is_grad_enabled():
+            adjusted = self.adjust_loss(inputs, outputs, loss, num_items_in_batch)
+            if adjusted is not loss and return_outputs:
+                outputs = self.outputs_with_loss(outputs, adjusted)
+            loss = adjusted
+        return (loss, outputs) if return_outputs else loss
+
+    def _compute_labelled_loss(self, model: nn.Module, inputs: dict, label_key: str, num_items_in_batch):
+        """The loss pipeline of a batch with one label column; the order of its stages is the contract."""
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
-        loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))  # --- Causal LM ---
+        loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         own_loss_reason = self._model_loss_reason(model, labels)
@@ -270,52 +220,102 @@ class TricksTrainer(Trainer):
                 loss = loss * labels.ne(-100).sum() / num_items
         else:
             self._add_decoder_input_ids(model, inputs, labels)
-            if teacher_logits is not None and (self.args.crf or self._class_weights is not None):
-                raise ValueError("crf and class_weights do not apply to batches with teacher_logits (distillation)")
-            rdrop = self.args.rdrop_alpha > 0 and model.training  # --- R-Drop ---
-            if rdrop:
-                inputs, labels, loss_labels, teacher_logits = self._rdrop_double(
-                    inputs, labels, loss_labels, teacher_logits
-                )
-            if self._crf_hook is not None:
-                # The CRF's loss is computed inside the model's forward (a hook), as a built-in CRF head would, so
-                # DDP / FSDP see its scores used by the forward; the outputs come back with that loss.
-                with self._crf_hook.computing(loss_labels, num_items):
-                    outputs = self.forward_for_loss(model, inputs, labels)
+            batch = LossBatch(inputs, labels, loss_labels, teacher_logits, num_items)
+            # 1. The batch (R-Drop: doubled).
+            for trick in self.tricks:
+                batch = trick.prepare_loss_batch(self, batch)
+            # 2. The forward; a trick may compute its loss inside it (the CRF, so DDP / FSDP see its scores used).
+            in_forward = self._first("loss_in_forward", batch)
+            with in_forward or contextlib.nullcontext():
+                outputs = self.forward_for_loss(model, batch.inputs, batch.labels)
+            if in_forward is not None:
                 loss = output_loss(outputs)
             else:
-                outputs = self.forward_for_loss(model, inputs, labels)
-                # Multi-sample dropout: the mean of the K heads' losses (the returned logits are the first head's).
+                # 3. The loss of each head's logits (multi-sample dropout: K heads), with the tricks' terms on them
+                # (R-Drop's KL), then their mean.
                 losses = []
-                samples = self._head_samples(output_logits(outputs))
-                for logits in samples:
-                    if teacher_logits is not None:
-                        losses.append(
-                            distillation_loss(
-                                logits,
-                                teacher_logits,
-                                loss_labels,
-                                temperature=self.args.distill_temperature,
-                                alpha=self.args.distill_alpha,
-                                num_items_in_batch=num_items,
-                            )
-                        )
+                for logits in self.head_samples(output_logits(outputs)):
+                    if batch.teacher_logits is not None:
+                        sample_loss = self.compute_distillation_loss(logits, batch)
                     else:
-                        losses.append(self.compute_tricks_loss(logits, loss_labels, num_items_in_batch=num_items))
+                        sample_loss = self.compute_tricks_loss(logits, batch.loss_labels, num_items_in_batch=num_items)
+                    for trick in self.tricks:
+                        sample_loss = trick.adjust_logits_loss(self, logits, batch, sample_loss)
+                    losses.append(sample_loss)
                 loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-                if rdrop:  # --- R-Drop ---: the loss summed both passes per item (a mean over the doubled batch: x 2)
-                    kl = [
-                        self.compute_rdrop_loss(logits, loss_labels, num_items_in_batch=num_items)
-                        for logits in samples
-                    ]
-                    loss = (loss if num_items is not None else 2 * loss) + (
-                        kl[0] if len(kl) == 1 else torch.stack(kl).mean()
-                    )
-                if return_outputs:
-                    outputs = self._outputs_with_loss(outputs, loss)
+                outputs = self.outputs_with_loss(outputs, loss)
+        # 4. DDP averages gradients over processes: a loss normalised by the all-process count is scaled back up.
         if num_items is not None:
-            loss = loss * self._loss_scale_for_devices()
-        return (loss, outputs) if return_outputs else loss
+            loss = loss * self.loss_scale_for_devices()
+        return loss, outputs
+
+    def adjust_loss(self, inputs: dict, outputs, loss: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        """The training loss with every trick's ``adjust_loss`` term.
+
+        The tricks see the micro-batch's mean loss per item; what they add is weighed by the micro-batch's share of
+        the step's items (``local items / num_items_in_batch``, times the device scaling), as the loss itself is, so
+        their terms stay exact under gradient accumulation and DDP. A trick that returns the loss unchanged leaves it
+        bitwise unchanged.
+        """
+        adjusters = [trick for trick in self.tricks if trick.overrides("adjust_loss")]
+        if not adjusters:
+            return loss
+        weight = self._micro_batch_weight(inputs, num_items_in_batch)
+        mean = loss if weight is None else loss / weight
+        adjusted = mean
+        for trick in adjusters:
+            adjusted = trick.adjust_loss(self, inputs, outputs, adjusted)
+        if weight is None:
+            return adjusted
+        return loss + (adjusted - mean) * weight
+
+    def _micro_batch_weight(self, inputs: dict, num_items_in_batch) -> torch.Tensor | None:
+        """This micro-batch's share of the step's loss: its item count over ``num_items_in_batch``, times the
+        device scaling; ``None`` where the loss is this batch's mean already."""
+        num_items = self._normalizer(num_items_in_batch)
+        label_key = self._label_key(inputs)
+        if num_items is None or label_key is None:
+            return None
+        labels = self.labels_for_logits(inputs[label_key], inputs.get("shift_labels"))
+        return self.count_items(labels) / num_items * self.loss_scale_for_devices()
+
+    def count_items(self, labels: torch.Tensor) -> torch.Tensor:
+        """The items of ``labels`` (shifted for a causal LM) the loss divides by: the first trick's count (a CRF's
+        sentences, class weights' weight sum), else the labelled positions."""
+        count = self._first("count_items", labels)
+        return labels.ne(-100).sum() if count is None else count
+
+    def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
+        """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
+
+        ``labels`` are the batch's, unshifted. Extension point; by default the first trick's ``forward`` (scheduled
+        sampling's two passes in training), else ``model(**inputs)``.
+        """
+        outputs = self._first("forward", model, inputs, labels)
+        return model(**inputs) if outputs is None else outputs
+
+    def head_samples(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """The logits of each head of the last forward the loss averages over (multi-sample dropout's K heads), or
+        just ``[logits]``."""
+        return self._first("head_samples", logits) or [logits]
+
+    def compute_tricks_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """The configured loss on ``logits`` (float32): a mean, or ``sum / num_items_in_batch``; the first trick's
+        ``compute_loss`` (the CRF's, a user trick's, else the ``loss_type`` one)."""
+        return self._first("compute_loss", logits, labels, num_items_in_batch)
+
+    def compute_distillation_loss(self, logits: torch.Tensor, batch: LossBatch) -> torch.Tensor:
+        """The loss of a batch that carries ``teacher_logits`` (self-training with soft labels)."""
+        return distillation_loss(
+            logits,
+            batch.teacher_logits,
+            batch.loss_labels,
+            temperature=self.args.distill_temperature,
+            alpha=self.args.distill_alpha,
+            num_items_in_batch=batch.num_items,
+        )
 
     # --- Causal LM ---
 
@@ -343,53 +343,6 @@ class TricksTrainer(Trainer):
         # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
         super()._set_signature_columns_if_needed()
         _upstream.keep_signature_column(self, "teacher_logits")
-
-    def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
-        """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
-
-        ``labels`` are the batch's, unshifted. Extension point: in training with ``scheduled_sampling`` this runs its
-        two passes (causal LMs here, encoder-decoders in Seq2SeqTricksTrainer), see :meth:`scheduled_sampling_passes`.
-        """
-        if self.scheduled_sampler is not None and model.training:  # --- Scheduled sampling ---
-            outputs = self._scheduled_sampling_forward(model, inputs, labels)
-            if outputs is not None:
-                return outputs
-        return model(**inputs)
-
-    def compute_tricks_loss(
-        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        """The configured loss on ``logits / temperature`` (float32): a mean, or ``sum / num_items_in_batch``."""
-        args = self.args
-        if args.crf:
-            return self.crf_loss(logits, labels, num_items_in_batch=num_items_in_batch)
-        if args.temperature != 1.0:
-            logits = logits / args.temperature
-        if args.loss_type == "focal":
-            return focal_loss(
-                logits,
-                labels,
-                gamma=args.focal_gamma,
-                alpha=self._focal_alpha(),
-                num_items_in_batch=num_items_in_batch,
-            )
-        if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
-            return label_smoothing_cross_entropy(
-                logits,
-                labels,
-                epsilon=args.label_smoothing_factor,
-                num_items_in_batch=num_items_in_batch,
-                weight=self._class_weights,
-            )
-        return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch, weight=self._class_weights)
-
-    def _focal_alpha(self) -> list[float] | None:
-        """``args.focal_alpha``, one weight per class of the model (:func:`~nlp_tricks.losses.focal_alpha_weights`)."""
-        if self.args.focal_alpha is None:
-            return None
-        id2label = getattr(self.accelerator.unwrap_model(self.model).config, "id2label", None) or {}
-        names = [str(id2label[i]) for i in sorted(id2label)]
-        return focal_alpha_weights(self.args.focal_alpha, names)
 
     def _add_decoder_input_ids(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> None:
         """Encoder-decoder models build decoder inputs from ``labels``; with labels popped we build them here.
@@ -419,42 +372,23 @@ class TricksTrainer(Trainer):
                 num_items_in_batch = num_items_in_batch * self.args.n_gpu
         return num_items_in_batch
 
-    def _loss_scale_for_devices(self) -> int:
+    def loss_scale_for_devices(self) -> int:
         """DDP averages gradients over processes; a loss normalised by the all-process count is scaled back up."""
         if self.args.average_tokens_across_devices and self.args.n_gpu <= 1:
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
 
-    # --- Drop-in compatibility ---
+    # ---- Drop-in compatibility -------------------------------------------------------------------------------------
 
     def _loss_tricks_in_use(self) -> list[str]:
-        """The loss tricks switched on, as ``field=value``: what the model's own loss or compute_loss_func skips."""
-        args = self.args
-        tricks = []
-        if args.loss_type != "ce":
-            tricks.append(f"loss_type={args.loss_type!r}")
-        if args.label_smoothing_factor > 0:
-            tricks.append(f"label_smoothing_factor={args.label_smoothing_factor}")
-        if args.temperature != 1.0:
-            tricks.append(f"temperature={args.temperature}")
-        # --- Heads and labels ---
-        if args.crf:
-            tricks.append("crf=True")
-        if args.class_weights is not None:
-            tricks.append(f"class_weights={args.class_weights!r}")
-        if args.head_dropout_samples > 1 or args.head_dropout > 0:
-            tricks.append(f"head_dropout_samples={args.head_dropout_samples}, head_dropout={args.head_dropout}")
-        if args.rdrop_alpha > 0:  # --- R-Drop ---
-            tricks.append(f"rdrop_alpha={args.rdrop_alpha}")
-        return tricks
+        """The tricks that change the loss, as ``field=value``: what a model's own loss or compute_loss_func skips."""
+        return [setting for trick in self.tricks if trick.changes_loss for setting in trick.summary()]
 
     def _check_compute_loss_func(self) -> None:
         """A ``compute_loss_func`` replaces the training loss: refuse the tricks it would silently switch off."""
         if self.compute_loss_func is None:
             return
         refused = self._loss_tricks_in_use()
-        if getattr(self.args, "scheduled_sampling", "none") != "none":
-            refused.append(f"scheduled_sampling={self.args.scheduled_sampling!r}")
         if refused:
             raise ValueError(
                 f"compute_loss_func replaces the training loss, so {', '.join(refused)} would not apply; "
@@ -462,7 +396,7 @@ class TricksTrainer(Trainer):
                 "to the tricks' one)"
             )
 
-    def _compute_loss_with_loss_func(self, model, inputs, return_outputs, num_items_in_batch):
+    def _compute_loss_with_loss_func(self, model, inputs, num_items_in_batch):
         """Upstream's compute_loss with ``compute_loss_func``: the same call, inputs and loss as plain Trainer."""
         if "teacher_logits" in inputs:
             raise ValueError(
@@ -473,7 +407,7 @@ class TricksTrainer(Trainer):
         # from the dict it is given (the adversarial passes reuse theirs).
         self.model_accepts_loss_kwargs = self._forward_accepts_loss_kwargs
         try:
-            return super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
+            return super().compute_loss(model, dict(inputs), True, num_items_in_batch)
         finally:
             _upstream.count_items_for_every_model(self)
 
@@ -486,19 +420,23 @@ class TricksTrainer(Trainer):
             return None  # several label columns (e.g. pre-training heads): only the model knows its loss
         return "labels" if inputs.get("labels") is not None else None
 
-    def _compute_loss_without_labels(self, model: nn.Module, inputs: dict, return_outputs: bool):
+    def _compute_loss_without_labels(self, model: nn.Module, inputs: dict):
         """No single label column: question answering's positions, several label columns, or none at all."""
         names = self.label_names
         if set(names) == {"start_positions", "end_positions"} and all(inputs.get(n) is not None for n in names):
-            return self._question_answering_loss(model, inputs, return_outputs)
+            return self._question_answering_loss(model, inputs)
+        if model.training and self.args.rdrop_alpha > 0:
+            self._warn_once(
+                f"rdrop_alpha={self.args.rdrop_alpha} cannot apply to batches without one label column "
+                "(question answering, several label columns): they train without it"
+            )
         if len(names) > 1 and any(inputs.get(name) is not None for name in names):
             self._warn_tricks_do_not_apply(model, f"several label columns ({', '.join(names)})")
             outputs = model(**inputs)  # not upstream's compute_loss: its label smoother would take `labels` alone
-            loss = output_loss(outputs)
-            return (loss, outputs) if return_outputs else loss
-        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            return output_loss(outputs), outputs
+        return super().compute_loss(model, inputs, return_outputs=True)
 
-    def _question_answering_loss(self, model: nn.Module, inputs: dict, return_outputs: bool):
+    def _question_answering_loss(self, model: nn.Module, inputs: dict):
         """The configured loss over start and over end positions, and their mean: the model's loss for ``ce``.
 
         As the models do, positions are clamped to ``[0, sequence length]`` and those at the length are ignored.
@@ -510,7 +448,7 @@ class TricksTrainer(Trainer):
             # A beam-search span head (XLNet): only the model knows its loss.
             self._warn_tricks_do_not_apply(model, "a question-answering head without start / end logits")
             inputs.update(start_positions=positions[0], end_positions=positions[1])
-            return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            return super().compute_loss(model, inputs, return_outputs=True)
         logits = (outputs["start_logits"], outputs["end_logits"]) if isinstance(outputs, dict) else outputs[:2]
         losses = []
         for logit, position in zip(logits, positions):
@@ -520,7 +458,7 @@ class TricksTrainer(Trainer):
             position = position.to(logit.device).clamp(0, ignored)
             losses.append(self.compute_tricks_loss(logit, position.masked_fill(position == ignored, -100)))
         loss = (losses[0] + losses[1]) / 2
-        return (loss, self._outputs_with_loss(outputs, loss)) if return_outputs else loss
+        return loss, self.outputs_with_loss(outputs, loss)
 
     def _model_loss_reason(self, model: nn.Module, labels: torch.Tensor) -> str | None:
         """Why the model's own loss is used instead of the configured one; None when the configured one applies.
@@ -555,7 +493,7 @@ class TricksTrainer(Trainer):
             logger.warning(message)
 
     @staticmethod
-    def _outputs_with_loss(outputs, loss: torch.Tensor):
+    def outputs_with_loss(outputs, loss: torch.Tensor):
         """The outputs as the model returns them given labels: the loss first (upstream's ``prediction_step`` takes
         a tuple's ``outputs[1:]`` as the predictions)."""
         if isinstance(outputs, ModelOutput):
@@ -568,134 +506,55 @@ class TricksTrainer(Trainer):
             return (loss, *outputs)
         return (loss, outputs)
 
-    # --- Heads and labels -------------------------------------------------------------------------------------------
-
-    def _prepare_heads(self, model: nn.Module, args: TricksArguments) -> None:
-        """Attach the CRF (``model.crf``) and the multi-sample dropout hooks the arguments ask for."""
-        if args.crf:
-            add_crf(model, bio_constraints=args.crf_bio_constraints)
-            if self._crf_hook is not None:
-                self._crf_hook.remove()
-            self._crf_hook = _CRFLossHook(self, model)
-        if args.head_dropout_samples > 1 or args.head_dropout > 0:
-            if self._msd is not None:
-                self._msd.remove()
-            self._msd = MultiSampleDropout.attach(model, args.head_dropout_samples, args.head_dropout)
+    # ---- Model, items, predictions ---------------------------------------------------------------------------------
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
-        self._prepare_heads(model, self.args)
+        for trick in self.tricks:
+            trick.prepare_model(self, model)
         return model
 
-    def _head_samples(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        """The logits of each multi-sample dropout head of the last forward (just ``[logits]`` without it)."""
-        samples = self._msd.take() if self._msd is not None else None
-        if samples is None:
-            return [logits]
-        if samples.shape[1:] != logits.shape:
-            raise ValueError(
-                f"head_dropout_samples: the head's output {tuple(samples.shape[1:])} is not the model's logits "
-                f"{tuple(logits.shape)}; multi-sample dropout needs a model that returns its head's output as logits"
-            )
-        return list(samples.unbind(0))
-
-    def crf_loss(
-        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        """The CRF's negative log-likelihood of the word-level tags (positions labelled -100 skipped), summed over
-        sentences and divided by ``num_items_in_batch`` (sentences with a label in the whole batch; without it the
-        mean over this batch's sentences)."""
-        if logits.dim() != 3 or labels.dim() != 2:
-            raise ValueError(
-                f"crf needs token classification logits (batch, length, num_labels) and labels (batch, length); got "
-                f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-            )
-        emissions, tags, lengths, _ = compact(logits, labels)
-        nll = -self.model.crf.log_likelihood_lengths(emissions, tags, lengths).sum()
-        if num_items_in_batch is None:
-            return nll / (lengths > 0).sum().clamp(min=1)
-        return nll / num_items_in_batch
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        """Upstream counts labelled positions; a trick may count other items (a CRF's sentences, class weights' weight
+        sums), so each loss's divisor is its own item count over the whole accumulated, all-process batch."""
+        labels = [batch.get("labels") for batch in batch_samples]
+        if labels and all(torch.is_tensor(x) and not x.is_floating_point() for x in labels):
+            if self.loss_shifts_labels:  # causal LMs: position t is scored against label t + 1
+                labels = [x[..., 1:] for x in labels]
+            counts = [self._first("count_items", x.to(device)) for x in labels]
+            if all(count is not None for count in counts):
+                return _upstream.reduce_item_count(self, sum(counts), device)
+        return super()._get_num_items_in_batch(batch_samples, device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Upstream's step; with ``crf`` the logits returned are the Viterbi paths as one-hot scores at the labelled
-        positions (argmax of the logits elsewhere), so argmax-based metrics score the paths."""
+        """Upstream's step, with the logits passed through the tricks (a CRF's Viterbi paths as one-hot scores)."""
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if self.args.crf and logits is not None:
-            if isinstance(logits, (tuple, list)):
-                logits = type(logits)([self._viterbi_one_hot(logits[0], inputs)] + list(logits[1:]))
-            else:
-                logits = self._viterbi_one_hot(logits, inputs)
+        changing = [trick for trick in self.tricks if trick.overrides("prediction_step")]
+        if changing and logits is not None:
+            first = logits[0] if isinstance(logits, (tuple, list)) else logits
+            for trick in changing:
+                first = trick.prediction_step(self, first, inputs)
+            logits = type(logits)([first, *logits[1:]]) if isinstance(logits, (tuple, list)) else first
         return loss, logits, labels
-
-    def _viterbi_one_hot(self, logits: torch.Tensor, inputs: dict) -> torch.Tensor:
-        labels = inputs.get("labels")
-        if labels is None:
-            raise ValueError(
-                "crf prediction decodes the labelled positions (each word's first sub-token), so the batch needs "
-                "`labels` (any tag id there, -100 elsewhere); for raw text call model.crf.decode(logits, word_mask)"
-            )
-        labels = labels.to(logits.device)
-        emissions, _, lengths, order = compact(logits, labels)
-        paths = self.model.crf.viterbi_lengths(emissions, lengths)
-        tags = expand(paths, order, lengths.to(logits.device), logits.argmax(dim=-1))
-        return torch.nn.functional.one_hot(tags, logits.shape[-1]).to(logits.dtype)
-
-    def _resolve_class_weights(self) -> torch.Tensor | None:
-        """``args.class_weights`` as a float32 (C,) tensor; 'balanced' is computed from the training labels."""
-        weights = self.args.class_weights
-        if weights is None:
-            return None
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        num_labels = getattr(config, "num_labels", None)
-        if weights == "balanced":
-            labels = _dataset_labels(self.train_dataset)
-            if labels is None or num_labels is None:
-                raise ValueError(
-                    "class_weights='balanced' counts the `labels` of the training dataset and needs the model's "
-                    "config.num_labels; pass train_dataset (with a `labels` column) or give the weights as numbers"
-                )
-            weights = balanced_class_weights(labels, num_labels)
-            logger.info(f"class_weights='balanced': {[round(w, 4) for w in weights]}")
-        elif num_labels is not None and len(weights) != num_labels:
-            id2label = getattr(config, "id2label", None) or {}
-            order = ", ".join(f"{i}={id2label.get(i, i)}" for i in range(num_labels))
-            raise ValueError(
-                f"class_weights has {len(weights)} weights for {num_labels} classes; give one weight per class in "
-                f"this order: {order}"
-            )
-        return torch.tensor(weights, dtype=torch.float32, device=self.args.device)
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
-        """Upstream counts labelled tokens; with ``crf`` an item is a sentence with a label, and with
-        ``class_weights`` a token weighs its class's weight, so each loss's divisor is its own item count (or weight
-        sum) over the whole accumulated, all-process batch, as F.cross_entropy(weight=...) over that batch."""
-        labels = [batch.get("labels") for batch in batch_samples]
-        counted = (self.args.crf or self._class_weights is not None) and labels
-        if not counted or not all(torch.is_tensor(x) and not x.is_floating_point() for x in labels):
-            return super()._get_num_items_in_batch(batch_samples, device)
-        if self.loss_shifts_labels:  # causal LMs: position t is scored against label t + 1
-            labels = [x[..., 1:] for x in labels]
-        if self.args.crf:
-            count = sum(x.ne(-100).any(dim=-1).sum() for x in labels)
-        else:
-            weight = self._class_weights.to(device)
-            count = sum(weight[x.to(device).clamp(min=0)].mul(x.to(device).ne(-100)).sum() for x in labels)
-        return _upstream.reduce_item_count(self, count, device)
 
     # ---- Optimizer -------------------------------------------------------------------------------------------------
 
     def build_optimizer_groups(self, model: nn.Module) -> list[dict]:
-        """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups` and the arguments."""
-        crf = self.args.crf and isinstance(getattr(model, "crf", None), CRF)
+        """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups`, the arguments and the
+        tricks' rules (a CRF's scores: their own lr, no weight decay)."""
+        no_decay, module_lr_scales = NO_DECAY_PATTERNS, {}
+        for trick in self.tricks:
+            options = trick.param_group_options(self, model)
+            no_decay = no_decay + tuple(options.get("no_decay", ()))
+            module_lr_scales.update(options.get("module_lr_scales") or {})
         groups = build_param_groups(
             model,
             learning_rate=self.args.learning_rate,
             weight_decay=self.args.weight_decay,
             head_lr_scale=self.args.head_lr_scale,
             layer_decay=self.args.layer_decay,
-            # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
-            no_decay=NO_DECAY_PATTERNS + ((r"^crf\.",) if crf else ()),
-            module_lr_scales={"crf": self.args.crf_lr_scale} if crf else None,
+            no_decay=no_decay,
+            module_lr_scales=module_lr_scales or None,
         )
         for group in groups:
             group.pop("names")
@@ -745,8 +604,20 @@ class TricksTrainer(Trainer):
         self.add_callback(callback)
         return callback
 
+    def _trick_states_file_needed(self) -> bool:
+        return any(trick.has_state() for trick in self.tricks)
+
+    @property
+    def required_checkpoint_files(self) -> tuple[str, ...]:
+        """Files the tricks of this run need in a ``checkpoint-N`` folder to resume from it (their saved state)."""
+        files = [name for trick in self.tricks for name in trick.checkpoint_files(self)]
+        if self._trick_states_file_needed():
+            files.append(TRICKS_STATE_NAME)
+        return tuple(files)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
-        """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``.
+        """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the
+        tricks' state is restored from it.
 
         Upstream takes the highest-numbered folder, even one a crash left half-written; here newer incomplete
         folders are skipped with a warning naming them and what is wrong (see
@@ -761,20 +632,23 @@ class TricksTrainer(Trainer):
             problem = checkpoint_problem(resume_from_checkpoint, required)
             if problem is not None:
                 raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
-        # --- Weight averaging ---
-        self._swa_checkpoints = None
-        if self._ema_callback is not None:
-            self._ema_callback.resume_from = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
+        checkpoint = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
+        for trick in self.tricks:
+            trick.resume(self, checkpoint)
+        if checkpoint is not None and self._trick_states_file_needed():
+            states = checkpoint_trick_states(checkpoint) or {}
+            for trick in self.tricks:
+                if trick.has_state() and trick.state_name in states:
+                    trick.load_state_dict(states[trick.state_name])
         with self.preemption.signal_handlers():  # --- Preemption --- (restored even if training raises)
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
         self.preempted = self.preemption.stopped_by  # --- Preemption ---
-        if self.preempted is None:  # --- Preemption --- (a stopped run is not averaged)
-            self._finish_weight_averaging()
+        if self.preempted is None:  # --- Preemption --- (a stopped run is not finished: no SWA average, no best EMA)
+            for trick in self.tricks:
+                trick.train_end(self)
         return output
-
-    # ---- Adversarial -----------------------------------------------------------------------------------------------
 
     def training_step(
         self,
@@ -782,370 +656,66 @@ class TricksTrainer(Trainer):
         inputs: dict[str, torch.Tensor],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """Upstream's training step, with ``--adversarial fgm|pgd|awp|freelb`` adding the adversarial passes.
+        """Upstream's training step, unless a trick runs the step (``--adversarial``: the attack's passes added;
+        the returned, logged loss is the clean one)."""
+        for trick in self.tricks:
+            if trick.overrides("training_step"):
+                loss = trick.training_step(self, model, inputs, num_items_in_batch)
+                if loss is not None:
+                    return loss
+        return super().training_step(model, inputs, num_items_in_batch)
 
-        With adversarial training the gradient is the sum of the clean and the adversarial gradients (each loss
-        normalised like the clean one, so accumulation stays exact), and the returned loss, hence the logged
-        ``loss``, is the CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over
-        the attacked micro-batches; FreeLB's is the mean of its K passes); ``adv_skipped`` counts the micro-batches
-        whose attack was skipped because the clean gradient was 0, inf or NaN (fp16 overflow). Every backward but
-        the step's last runs under ``no_sync``: one all-reduce per optimizer step, as in plain training. With
-        ``neftune_noise_alpha`` the passes of a micro-batch share one NEFTune noise draw
-        (:class:`~nlp_tricks.neftune.NEFTuneNoise`). Optimizer steps before ``adv_start_step`` are plain, counted as
-        ``adv_plain_steps``.
-        """
-        if self.args.adversarial == "none":
-            return super().training_step(model, inputs, num_items_in_batch)
-        if self.state.global_step < self.args.adv_start_step:
-            # Plain until adv_start_step; the count of such optimizer steps so far (each micro-batch sets the same).
-            self.trick_state["adv_plain_steps"] = self.state.global_step + 1
-            return super().training_step(model, inputs, num_items_in_batch)
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError("adversarial training is not supported with DeepSpeed (its engine owns the backward)")
-        if self.args.adversarial == "awp" and self.accelerator.distributed_type == DistributedType.FSDP:
-            raise ValueError(
-                "adversarial='awp' is not supported with FSDP: it takes per-tensor norms of weights FSDP shards"
-            )
-
-        cp_context, inputs = _upstream.prepare_context_parallel_inputs(self, model, inputs)
-        with cp_context():
-            model.train()
-            if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-                self.optimizer.train()
-            inputs = _upstream.prepare_inputs(self, inputs)
-            # As upstream: divide by the accumulation steps only if the loss was not normalised by the item count.
-            scaled_for_ga = _upstream.loss_is_scaled_for_ga(self, num_items_in_batch)
-
-            def loss_fn() -> torch.Tensor:
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-                if self.args.n_gpu > 1:
-                    loss = loss.mean()
-                if not scaled_for_ga:
-                    loss = loss / _upstream.accumulation_steps(self)
-                return loss
-
-            no_sync = (
-                functools.partial(self.accelerator.no_sync, model=model) if self.accelerator.use_distributed else None
-            )
-            noise = self._attack_neftune(model)  # --- NEFTune with adversarial ---
-            # --- Scheduled sampling --- the attack perturbs the clean pass's mixed input, not a new draw.
-            adversary = self._get_adversary(model)
-            # FreeLB's random start covers the positions the attention mask keeps.
-            extra = {"attention_mask": inputs.get("attention_mask")} if isinstance(adversary, FreeLB) else {}
-            with noise or contextlib.nullcontext(), self._shared_scheduled_sampling_draw():
-                clean, adv = adversary.step(
-                    noise.each_pass(loss_fn) if noise else loss_fn,
-                    self.accelerator.backward,
-                    no_sync=no_sync,
-                    grad_scaler=self.accelerator.scaler,
-                    **extra,
-                )
-            if (
-                self.args.torch_empty_cache_steps is not None
-                and self.state.global_step % self.args.torch_empty_cache_steps == 0
-            ):
-                clear_device_cache()
-
-        # Each micro-batch's loss is its share of the step's loss; times the micro-batch count, the mean over the
-        # step's micro-batches is the step's loss, comparable with the logged `loss`.
-        share = _upstream.accumulation_steps(self)
-        self.record_metric("loss_clean", clean * share)
-        if adv is None:
-            self.trick_state["adv_skipped"] = self.trick_state.get("adv_skipped", 0) + 1
-        else:
-            self.record_metric("loss_adv", adv * share)
-        return clean
-
-    def _attack_neftune(self, model: nn.Module) -> NEFTuneNoise | None:
-        """NEFTune noise shared by the passes of one micro-batch (None without ``neftune_noise_alpha``); on the
-        module upstream's hook would use."""
-        if self._attack_neftune_alpha is None:
-            return None
-        embeddings = unwrap_peft_model(self.accelerator.unwrap_model(model)).get_input_embeddings()
-        return NEFTuneNoise(embeddings, self._attack_neftune_alpha)
-
-    def _get_adversary(self, model: nn.Module) -> FGM | PGD | AWP | FreeLB:
-        """The attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        if self._adversary is None or self._adversary.model is not unwrapped:
-            if self.args.torch_compile or is_compiled_module(model):
-                # torch.compile does not guard on module hooks: a graph compiled in this process without the
-                # attack's embedding hook (an earlier run, even of another model of the same class) would be reused
-                # and never call it. Compiled graphs are rebuilt on their next call.
-                torch.compiler.reset()
-            args = self.args
-            if args.adversarial == "fgm":
-                self._adversary = FGM(unwrapped, epsilon=args.adv_epsilon, norm=args.adv_norm, target=args.adv_target)
-            elif args.adversarial == "awp":
-                self._adversary = AWP(unwrapped, gamma=args.awp_gamma, target=args.awp_target)
-            elif args.adversarial == "freelb":
-                self._adversary = FreeLB(
-                    unwrapped,
-                    epsilon=args.adv_epsilon,
-                    alpha=args.adv_alpha,
-                    steps=args.adv_steps,
-                    init_mag=args.adv_init_mag,
-                    clean_pass=args.freelb_clean_pass,
-                    target=args.adv_target,
-                )
-            else:
-                self._adversary = PGD(
-                    unwrapped,
-                    epsilon=args.adv_epsilon,
-                    alpha=args.adv_alpha,
-                    steps=args.adv_steps,
-                    norm=args.adv_norm,
-                    target=args.adv_target,
-                )
-        return self._adversary
-
-    # --- Weight averaging ---
-
-    @property
-    def required_checkpoint_files(self) -> tuple[str, ...]:
-        """Files the tricks of this run need in a ``checkpoint-N`` folder to resume from it (their saved state)."""
-        return (EMA_STATE_NAME,) if self._ema_callback is not None else ()
+    # ---- Evaluation and saving -------------------------------------------------------------------------------------
 
     @property
     def ema(self) -> EMA | None:
         """The :class:`~nlp_tricks.averaging.EMA` of the model (``--ema_decay``), built when training starts."""
-        return None if self._ema_callback is None else self._ema_callback.ema
+        trick = self.get_trick(ExponentialMovingAverage)
+        return None if trick is None else trick.ema
 
-    @contextlib.contextmanager
-    def _ema_weights_if_eval(self):
-        """The EMA weights in the model for the block when ``--ema_eval`` (and an EMA exists), else nothing."""
-        ema = self.ema if self.args.ema_eval else None
-        if ema is None:
-            yield
-        else:
-            with ema.swapped_in():
-                yield
+    def _eval_weights(self):
+        """The weights the tricks choose for evaluation and the final model (the EMA's with ``--ema_eval``)."""
+        return nested(trick.eval_weights(self) for trick in self.tricks)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
-        """Upstream ``evaluate``; with ``--ema_eval`` on the EMA weights (the raw ones are restored bitwise after)."""
-        with self._ema_weights_if_eval():
+        """Upstream ``evaluate``, with the weights the tricks choose (``--ema_eval``: the EMA's; the raw ones are
+        restored bitwise after)."""
+        with self._eval_weights():
             return super().evaluate(
                 eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
             )
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test", **kwargs):
-        """Upstream ``predict``; with ``--ema_eval`` on the EMA weights (the raw ones are restored bitwise after)."""
-        with self._ema_weights_if_eval():
+        """Upstream ``predict``, with the weights the tricks choose (as :meth:`evaluate`)."""
+        with self._eval_weights():
             return super().predict(
                 test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
             )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Upstream ``save_model``, plus the weight averages.
+        """Upstream ``save_model``, plus the tricks' files.
 
-        - Into a ``checkpoint-N`` folder: the raw weights, and the EMA state as ``ema_state.safetensors`` (written
-          before ``trainer_state.json``, so a complete checkpoint always holds it).
-        - Anywhere else (the final model): with ``--ema_eval`` the EMA weights, after ``--swa_last_k`` the
-          checkpoint average, each with an ``averaging.json`` beside it saying so.
+        - Into a ``checkpoint-N`` folder: the raw weights, each trick's files (the EMA's ``ema_state.safetensors``)
+          and the states of tricks that keep one (``tricks_state.safetensors``), all written before
+          ``trainer_state.json``, so a complete checkpoint holds them.
+        - Anywhere else (the final model): the weights the tricks choose (the EMA's with ``--ema_eval``, the
+          checkpoint average after ``--swa_last_k``), with an ``averaging.json`` beside them saying so.
         """
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(output_dir))):
             super().save_model(output_dir, _internal_call)
-            if self.ema is not None and self.args.should_save:
-                self.ema.save(os.path.join(output_dir, EMA_STATE_NAME))
+            if self.args.should_save:
+                for trick in self.tricks:
+                    trick.save_checkpoint(self, output_dir)
+                if self._trick_states_file_needed():
+                    states = {trick.state_name: trick.state_dict() for trick in self.tricks if trick.has_state()}
+                    save_trick_states(os.path.join(output_dir, TRICKS_STATE_NAME), states)
             return
-        info = None
-        if self._swa_checkpoints is not None:
-            info = {"weights": "swa", "checkpoints": [os.path.basename(p) for p in self._swa_checkpoints]}
-        elif self.args.ema_eval and self.ema is not None:
-            ema = self.ema
-            info = {"weights": "ema", "ema_decay": ema.decay, "ema_warmup": ema.warmup, "updates": ema.num_updates}
-        with self._ema_weights_if_eval():  # (swa_last_k excludes ema_eval)
+        info = self._first("saved_weights_info")
+        with self._eval_weights():
             super().save_model(output_dir, _internal_call)
         if self.args.should_save and os.path.isdir(output_dir):
             if info is not None:
                 write_averaging_info(output_dir, info)
             elif os.path.isfile(os.path.join(output_dir, AVERAGING_INFO_NAME)):
                 os.remove(os.path.join(output_dir, AVERAGING_INFO_NAME))  # left by an earlier run: no longer true
-
-    def _finish_weight_averaging(self) -> None:
-        """After training: ``--swa_last_k`` loads the checkpoint average; best-model loading also takes its EMA."""
-        args = self.args
-        if args.swa_last_k > 0:
-            self.accelerator.wait_for_everyone()  # the main process may still be writing the last checkpoint
-            paths = last_complete_checkpoints(args.output_dir, args.swa_last_k, max_step=self.state.global_step)
-            if not paths:
-                logger.warning(f"swa_last_k={args.swa_last_k}: no complete checkpoint in {args.output_dir}; skipped")
-                return
-            if len(paths) < args.swa_last_k:
-                logger.warning(
-                    f"swa_last_k={args.swa_last_k} but only {len(paths)} complete checkpoints exist; averaging those"
-                )
-            average_into(self.model, paths)
-            self._swa_checkpoints = paths
-            logger.info(f"swa_last_k: the model now holds the average of {', '.join(paths)}")
-        elif self.ema is not None and args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            # The best checkpoint's raw weights are loaded upstream; its EMA goes with them.
-            self.ema.load(os.path.join(self.state.best_model_checkpoint, EMA_STATE_NAME))
-
-    # ---- Scheduled sampling ----------------------------------------------------------------------------------------
-
-    def _check_scheduled_sampling_model(self, model: nn.Module) -> None:
-        """Raise if ``model`` is not one :meth:`scheduled_sampling_passes` can run (here: a causal LM, i.e. a model
-        whose loss shifts labels, as :attr:`loss_shifts_labels` decides it)."""
-        if not self.loss_shifts_labels:
-            seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-            hint = " (for encoder-decoder models use Seq2SeqTricksTrainer)" if seq2seq else ""
-            raise ValueError(
-                f"scheduled_sampling={self.args.scheduled_sampling!r} needs a decoder-only causal LM with "
-                f"TricksTrainer{hint}, got {type(model).__name__}"
-            )
-
-    def scheduled_sampling_passes(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        labels: torch.Tensor,
-        ratio: float,
-        forward: nn.Module,
-        draw: ScheduledSamplingDraw | None,
-    ):
-        """Scheduled sampling's passes at teacher-forcing ``ratio``: ``(pass-2 outputs, the draw used)``.
-
-        ``model`` is the unwrapped model (pass 1 runs on it, under ``no_grad``), ``forward`` the wrapped one (pass 2).
-        A ``draw`` given is reused instead of running pass 1. Here: a causal LM
-        (:func:`~nlp_tricks.scheduled_sampling.causal_scheduled_sampling_forward`); Seq2SeqTricksTrainer overrides it
-        with the encoder-decoder passes.
-        """
-        return causal_scheduled_sampling_forward(
-            model,
-            inputs,
-            labels,
-            ratio,
-            mode=self.args.ss_mode,
-            temperature=self.args.ss_temperature,
-            forward=forward,
-            draw=draw,
-            return_draw=True,
-        )
-
-    def _scheduled_sampling_forward(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
-        """The pass-2 outputs at the ratio of ``state.global_step`` (logged), or None at ratio 1 (plain forward)."""
-        ratio = self.scheduled_sampler.ratio(self.state.global_step)
-        self.record_metric("teacher_forcing_ratio", ratio)
-        if ratio >= 1.0:
-            return None
-        shared = self._ss_shared
-        draw = shared.get("draw") if shared is not None else None
-        # Pass 1 (and the encoder of an encoder-decoder) run on the unwrapped model (no DDP forward without a
-        # backward), under the autocast accelerate otherwise applies in the wrapped forward; pass 2 goes through
-        # the wrapper.
-        with self.accelerator.autocast():
-            outputs, draw = self.scheduled_sampling_passes(
-                self.accelerator.unwrap_model(model), inputs, labels, ratio, forward=model, draw=draw
-            )
-        if shared is not None:
-            shared["draw"] = draw
-        return outputs
-
-    @contextlib.contextmanager
-    def _shared_scheduled_sampling_draw(self):
-        """Within: the forwards (all on one micro-batch) reuse the first one's draw: mask and pass-1 predictions."""
-        self._ss_shared = {}
-        try:
-            yield
-        finally:
-            self._ss_shared = None
-
-    # ---- R-Drop ----------------------------------------------------------------------------------------------------
-
-    def compute_rdrop_loss(
-        self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        """R-Drop's consistency term on the doubled batch's logits and labels (the same ones the loss was taken on,
-        shifted for a causal LM): ``rdrop_alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))`` per counted item, ``a`` and
-        ``b`` the two halves, on ``logits / temperature``, in float32 (:func:`~nlp_tricks.losses.rdrop_kl`). Logs
-        ``loss_kl`` (the term without ``rdrop_alpha``, per item, comparable with ``loss``).
-
-        Extension point, called by :meth:`compute_loss` beside :meth:`compute_tricks_loss` with the same arguments.
-        """
-        if self.args.temperature != 1.0:
-            logits = logits / self.args.temperature
-        logits_a, logits_b = logits.chunk(2)
-        if not self._rdrop_checked:
-            if torch.equal(logits_a, logits_b):
-                raise ValueError(
-                    f"rdrop_alpha={self.args.rdrop_alpha} needs dropout, but the two passes over the batch gave "
-                    f"identical logits: {type(self.accelerator.unwrap_model(self.model)).__name__} has no active "
-                    "dropout (e.g. hidden_dropout_prob=0 in its config); give it a dropout probability > 0 or set "
-                    "rdrop_alpha=0"
-                )
-            self._rdrop_checked = True
-        kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is not None:
-            # A share of the step's per-item mean: x micro-batches (and processes) makes it comparable with `loss`.
-            try:
-                micro_batches = _upstream.accumulation_steps(self)
-            except AttributeError:  # called outside the training loop
-                micro_batches = 1
-            self.record_metric("loss_kl", kl * micro_batches * self._loss_scale_for_devices())
-        else:
-            self.record_metric("loss_kl", kl)
-        return self.args.rdrop_alpha * kl
-
-    def _rdrop_double(self, inputs: dict, *per_example: torch.Tensor | None):
-        """The batch concatenated with itself along the batch dimension (one forward gives both dropout passes),
-        and each of ``per_example`` (labels, teacher logits; None stays None) likewise."""
-        batch = per_example[0].shape[0]
-        doubled = {}
-        for key, value in inputs.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                if value.shape[0] != batch:
-                    raise ValueError(
-                        f"rdrop_alpha > 0 runs the two passes as one doubled batch, but input {key!r} of shape "
-                        f"{tuple(value.shape)} has no batch dimension of size {batch}"
-                    )
-                value = torch.cat([value, value])
-            doubled[key] = value
-        return doubled, *(None if t is None else torch.cat([t, t]) for t in per_example)
-
-
-def _dataset_labels(dataset):
-    """The ``labels`` of every item of a map-style dataset (a ``datasets.Dataset`` column at once), or ``None``."""
-    if dataset is None:
-        return None
-    if "labels" in (getattr(dataset, "column_names", None) or ()):
-        return dataset["labels"]
-    try:
-        return [dataset[i]["labels"] for i in range(len(dataset))]
-    except (TypeError, KeyError, IndexError, NotImplementedError):
-        return None
-
-
-class _CRFLossHook:
-    """A forward hook on the model that fills ``outputs.loss`` with the CRF loss while :meth:`computing` is open.
-
-    It holds the trainer weakly: ``copy.deepcopy(model)`` copies the hook, not the trainer.
-    """
-
-    def __init__(self, trainer: TricksTrainer, model: nn.Module):
-        self._trainer = weakref.ref(trainer)
-        self._pending = None
-        self._handle = model.register_forward_hook(self)
-
-    @contextlib.contextmanager
-    def computing(self, labels: torch.Tensor, num_items_in_batch):
-        self._pending = (labels, num_items_in_batch)
-        try:
-            yield
-        finally:
-            self._pending = None
-
-    def __call__(self, module: nn.Module, args: tuple, outputs):
-        trainer = self._trainer()
-        if self._pending is None or trainer is None:
-            return None
-        labels, num_items = self._pending
-        self._pending = None  # one forward per request (a nested call of the same model stays plain)
-        samples = trainer._head_samples(output_logits(outputs))
-        losses = [trainer.crf_loss(logits, labels, num_items_in_batch=num_items) for logits in samples]
-        return trainer._outputs_with_loss(outputs, losses[0] if len(losses) == 1 else torch.stack(losses).mean())
-
-    def remove(self) -> None:
-        self._handle.remove()

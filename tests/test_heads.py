@@ -11,6 +11,8 @@ from transformers import HfArgumentParser, RobertaConfig, RobertaForSequenceClas
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.heads import MultiSampleDropout, find_classifier
 from nlp_tricks.losses import balanced_class_weights, cross_entropy, label_smoothing_cross_entropy
+from nlp_tricks.tricks.loss import LossFunction
+from nlp_tricks.tricks.multi_sample_dropout import MultiSampleDropout as MultiSampleDropoutTrick
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
 
 WEIGHTS = [0.5, 2.0, 1.0, 3.0, 0.25]
@@ -139,7 +141,7 @@ def test_balanced_class_weights_come_from_the_training_labels(tmp_path):
     trainer = TricksTrainer(
         model=bert_seq_cls(), args=tricks_args(tmp_path, class_weights=["balanced"]), train_dataset=data
     )
-    torch.testing.assert_close(trainer._class_weights, torch.tensor(expected))
+    torch.testing.assert_close(trainer.get_trick(LossFunction).class_weights, torch.tensor(expected))
     trainer.train()
 
 
@@ -180,8 +182,11 @@ def test_one_sample_without_dropout_equals_the_plain_model_exactly(tmp_path):
     args = dict(max_steps=2, optim="sgd", learning_rate=0.1)
     a = TricksTrainer(model=plain, args=tricks_args(tmp_path / "a", **args), train_dataset=token_cls_data())
     msd.remove()
-    b = TricksTrainer(model=hooked, args=tricks_args(tmp_path / "b", **args), train_dataset=token_cls_data())
-    b._msd = MultiSampleDropout.attach(hooked, samples=1, p=0.0)
+    b_args = tricks_args(tmp_path / "b", **args)
+    # The trick itself at K=1, p=0 (its fields leave it off, so it is passed in as an object).
+    b = TricksTrainer(
+        model=hooked, args=b_args, train_dataset=token_cls_data(), tricks=[MultiSampleDropoutTrick(b_args)]
+    )
     a.train(), b.train()
     for (name, p), q in zip(plain.named_parameters(), hooked.parameters()):
         assert torch.equal(p, q), name
@@ -197,7 +202,7 @@ def test_fixed_masks_give_the_mean_of_the_k_heads_losses(tmp_path):
     )
     g = torch.Generator().manual_seed(0)
     masks = (torch.rand(3, *batch["labels"].shape, 32, generator=g) > 0.5).float() / 0.5
-    trainer._msd.masks = lambda x: masks
+    trainer.get_trick(MultiSampleDropoutTrick).hooks.masks = lambda x: masks
     model.train()
     loss = trainer.compute_loss(model, batch)
     handle.remove()
@@ -215,7 +220,7 @@ def test_fixed_masks_give_the_mean_of_the_k_heads_losses(tmp_path):
         plain = F.cross_entropy(model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits.reshape(-1, 5),
                                 batch["labels"].reshape(-1))  # fmt: skip
     torch.testing.assert_close(eval_loss, plain)
-    assert trainer._msd.take() is None
+    assert trainer.get_trick(MultiSampleDropoutTrick).hooks.take() is None
 
 
 @pytest.mark.parametrize("crf", [False, True])

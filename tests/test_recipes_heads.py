@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from nlp_tricks import TricksTrainer
 from nlp_tricks.crf import CRF, load_crf_model
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import ner_pseudo_labels
+from nlp_tricks.tricks.loss import LossFunction
 from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
 
 
@@ -91,13 +91,13 @@ def test_ner_crf_metrics_come_from_viterbi_paths_and_the_model_loads_back(tiny_m
 
 def test_ner_balanced_class_weights_come_from_the_training_tags(tiny_model, tmp_path, monkeypatch):
     resolved = []
-    original = TricksTrainer._resolve_class_weights
+    original = LossFunction.resolve_class_weights
 
-    def spy(self):
-        resolved.append(original(self))
+    def spy(self, trainer):
+        resolved.append(original(self, trainer))
         return resolved[-1]
 
-    monkeypatch.setattr(TricksTrainer, "_resolve_class_weights", spy)
+    monkeypatch.setattr(LossFunction, "resolve_class_weights", spy)
     args = tiny_args(tiny_model, tmp_path / "out", *ner_files(tmp_path), "--class_weights", "balanced")
     assert run_in_process("ner", args, monkeypatch) == 0
     tags = [line.split()[-1] for line in TRAIN_CONLL.splitlines()[1:] if line.strip()]

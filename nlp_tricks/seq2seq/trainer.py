@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers import Seq2SeqTrainer
 from transformers.utils import logging
 
 from ..trainer import TricksTrainer
 from .config import Seq2SeqTricksArguments
-from .scheduled_sampling import ScheduledSamplingDraw, scheduled_sampling_forward
 from .tying import TIE_SCOPE_CONFIG_KEY, count_unique_parameters, tie_encoder_decoder
 
 __all__ = ["Seq2SeqTricksTrainer"]
@@ -28,8 +26,8 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
       configured loss (any ``loss_type``, exact gradient accumulation) is taken on a second decoder pass. The ratio
       is read at ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``.
       Evaluation is teacher-forced as usual. With FGM / PGD every pass of a micro-batch reuses the clean pass's draw
-      (mask and pass-1 predictions). The wiring is TricksTrainer's (which runs it on causal LMs); this class supplies
-      the encoder-decoder passes (:meth:`scheduled_sampling_passes`).
+      (mask and pass-1 predictions). The trick (:class:`nlp_tricks.tricks.scheduled_sampling.ScheduledSampling`) runs
+      the encoder-decoder passes on encoder-decoder models and the causal ones on causal LMs (with TricksTrainer).
     - Weight tying (``--tie_encoder_decoder embeddings|all``): applied to the model when the trainer is built (or by
       ``model_init``). A model reloaded from a tied checkpoint (its config records the scope) is tied again even with
       ``tie_encoder_decoder='none'``. The first training log holds ``unique_parameters`` (and
@@ -92,37 +90,3 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
             logs.update(self._pending_report)
             self._pending_report = {}
         super().log(logs, start_time)
-
-    # ---- Scheduled sampling ----------------------------------------------------------------------------------------
-
-    def _check_scheduled_sampling_model(self, model: nn.Module) -> None:
-        if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            raise ValueError(
-                f"scheduled_sampling={self.args.scheduled_sampling!r} needs an encoder-decoder model with "
-                f"Seq2SeqTricksTrainer (decoder-only causal LMs: use TricksTrainer), got {type(model).__name__}"
-            )
-
-    def scheduled_sampling_passes(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor],
-        labels: torch.Tensor,
-        ratio: float,
-        forward: nn.Module,
-        draw: ScheduledSamplingDraw | None,
-    ):
-        """The encoder once, decoder pass 1 (skipped when ``draw`` is given), pass 2: ``(outputs, draw)``.
-
-        See :func:`~nlp_tricks.seq2seq.scheduled_sampling_forward`.
-        """
-        return scheduled_sampling_forward(
-            model,
-            inputs,
-            labels,
-            ratio,
-            mode=self.args.ss_mode,
-            temperature=self.args.ss_temperature,
-            forward=forward,
-            draw=draw,
-            return_draw=True,
-        )

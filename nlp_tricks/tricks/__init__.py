@@ -1,0 +1,70 @@
+"""The tricks as objects: the :class:`Trick` protocol and the built-in tricks, in the order TricksTrainer runs them.
+
+Adding a built-in trick: its fields in :class:`~nlp_tricks.TricksArguments`, its module here (a :class:`Trick` with
+``from_args(args)`` returning the trick or ``None`` when its fields leave it off, and ``validate(args)``), and one line
+in :data:`BUILT_IN_TRICKS`.
+"""
+
+from __future__ import annotations
+
+from .adversarial import Adversarial
+from .averaging import CheckpointAveraging, ExponentialMovingAverage
+from .base import LossBatch, Trick
+from .crf import CRFHead
+from .loss import LossFunction
+from .multi_sample_dropout import MultiSampleDropout
+from .rdrop import RDrop
+from .scheduled_sampling import ScheduledSampling
+
+__all__ = ["Trick", "LossBatch", "BUILT_IN_TRICKS", "built_in_tricks", "validate_arguments"]
+
+# The built-in tricks in the order their hooks run. Where a hook's first answer wins (the forward, the loss, the item
+# count) the earlier trick decides: the CRF's loss and count come before the configured loss function's.
+BUILT_IN_TRICKS = (
+    ScheduledSampling,
+    CRFHead,
+    MultiSampleDropout,
+    RDrop,
+    LossFunction,
+    Adversarial,
+    ExponentialMovingAverage,
+    CheckpointAveraging,
+)
+
+
+def built_in_tricks(args, user_tricks=()) -> list[Trick]:
+    """The built-in tricks ``args`` switch on, in :data:`BUILT_IN_TRICKS`' order, with ``user_tricks`` right before
+    the configured loss function (which answers for the loss when no trick before it does)."""
+    tricks = []
+    for cls in BUILT_IN_TRICKS:
+        if cls is LossFunction:
+            tricks.extend(user_tricks)
+        trick = cls.from_args(args)
+        if trick is not None:
+            tricks.append(trick)
+    return tricks
+
+
+def validate_arguments(args) -> None:
+    """Each built-in trick's own checks, then the checks that involve two of them (here, in one place)."""
+    for cls in BUILT_IN_TRICKS:
+        cls.validate(args)
+    if args.crf and (args.loss_type != "ce" or args.label_smoothing_factor > 0 or args.temperature != 1.0):
+        raise ValueError(
+            "crf=True replaces the loss with the CRF's negative log-likelihood; use loss_type='ce', "
+            "label_smoothing_factor=0 and temperature=1.0 with it"
+        )
+    if args.crf and args.class_weights is not None:
+        raise ValueError("class_weights do not apply to crf=True (the CRF scores whole tag sequences)")
+    if args.crf and args.rdrop_alpha > 0:
+        raise ValueError(
+            f"rdrop_alpha={args.rdrop_alpha} compares per-position distributions, which crf=True does not train "
+            "(the CRF scores whole tag sequences); use one of them"
+        )
+    if args.swa_last_k > 0 and args.load_best_model_at_end:
+        raise ValueError("swa_last_k and load_best_model_at_end both choose the final weights; use one of them")
+    if args.swa_last_k > 0 and args.ema_eval:
+        raise ValueError(
+            "swa_last_k and ema_eval both choose the final weights; to average the raw checkpoints while keeping an "
+            "EMA, set ema_eval=False"
+        )

@@ -1,0 +1,139 @@
+"""``crf``: a linear-chain CRF over a token classifier's logits, trained by its negative log-likelihood and predicted
+with Viterbi. Its math is in :mod:`nlp_tricks.crf`."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+from ..crf import CRF, add_crf, compact, expand
+from ..outputs import output_logits
+from .base import LossBatch, Trick
+
+__all__ = ["CRFHead"]
+
+
+class CRFHead(Trick):
+    """``crf``: attaches ``model.crf``; the loss (per sentence) is computed inside the model's forward by a hook, as
+    a built-in CRF head would, so DDP / FSDP see its scores used; predictions are the Viterbi paths."""
+
+    changes_loss = True
+
+    def __init__(self, args):
+        self.args = args
+        self._hook: _CRFLossHook | None = None
+
+    @classmethod
+    def from_args(cls, args) -> CRFHead | None:
+        return cls(args) if args.crf else None
+
+    @staticmethod
+    def validate(args) -> None:
+        if args.crf_lr_scale <= 0:
+            raise ValueError(f"crf_lr_scale={args.crf_lr_scale} is not allowed; it must be > 0")
+        if args.crf_bio_constraints and not args.crf:
+            raise ValueError("crf_bio_constraints=True needs crf=True")
+
+    def summary(self) -> list[str]:
+        return ["crf=True"]
+
+    def prepare_model(self, trainer, model: nn.Module) -> None:
+        add_crf(model, bio_constraints=self.args.crf_bio_constraints)
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = _CRFLossHook(trainer, self, model)
+
+    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
+        if batch.teacher_logits is not None:
+            raise ValueError("crf does not apply to batches with teacher_logits (distillation)")
+        return batch
+
+    def loss_in_forward(self, trainer, batch: LossBatch):
+        return self._hook.computing(batch.loss_labels, batch.num_items)
+
+    def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
+        return self.crf_loss(trainer.model, logits, labels, num_items_in_batch)
+
+    @staticmethod
+    def crf_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None):
+        """The CRF's negative log-likelihood of the word-level tags (positions labelled -100 skipped), summed over
+        sentences and divided by ``num_items_in_batch`` (sentences with a label in the whole batch; without it the
+        mean over this batch's sentences)."""
+        if logits.dim() != 3 or labels.dim() != 2:
+            raise ValueError(
+                f"crf needs token classification logits (batch, length, num_labels) and labels (batch, length); got "
+                f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+            )
+        emissions, tags, lengths, _ = compact(logits, labels)
+        nll = -_crf_of(model).log_likelihood_lengths(emissions, tags, lengths).sum()
+        if num_items_in_batch is None:
+            return nll / (lengths > 0).sum().clamp(min=1)
+        return nll / num_items_in_batch
+
+    def count_items(self, trainer, labels):
+        """An item is a sentence with at least one label."""
+        return labels.ne(-100).any(dim=-1).sum()
+
+    def param_group_options(self, trainer, model: nn.Module) -> dict:
+        if not isinstance(getattr(model, "crf", None), CRF):
+            return {}
+        # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
+        return {"no_decay": (r"^crf\.",), "module_lr_scales": {"crf": self.args.crf_lr_scale}}
+
+    def prediction_step(self, trainer, logits, inputs):
+        """The Viterbi paths as one-hot scores at the labelled positions (argmax of the logits elsewhere), so
+        argmax-based metrics score the paths."""
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError(
+                "crf prediction decodes the labelled positions (each word's first sub-token), so the batch needs "
+                "`labels` (any tag id there, -100 elsewhere); for raw text call model.crf.decode(logits, word_mask)"
+            )
+        labels = labels.to(logits.device)
+        emissions, _, lengths, order = compact(logits, labels)
+        paths = _crf_of(trainer.model).viterbi_lengths(emissions, lengths)
+        tags = expand(paths, order, lengths.to(logits.device), logits.argmax(dim=-1))
+        return torch.nn.functional.one_hot(tags, logits.shape[-1]).to(logits.dtype)
+
+
+def _crf_of(model: nn.Module) -> CRF:
+    while not hasattr(model, "crf") and hasattr(model, "module"):  # DataParallel / DDP
+        model = model.module
+    return model.crf
+
+
+class _CRFLossHook:
+    """A forward hook on the model that fills ``outputs.loss`` with the CRF loss while :meth:`computing` is open.
+
+    It holds the trainer weakly: ``copy.deepcopy(model)`` copies the hook, not the trainer.
+    """
+
+    def __init__(self, trainer, trick: CRFHead, model: nn.Module):
+        self._trainer = weakref.ref(trainer)
+        self._trick = trick
+        self._pending = None
+        self._handle = model.register_forward_hook(self)
+
+    @contextlib.contextmanager
+    def computing(self, labels: torch.Tensor, num_items_in_batch):
+        self._pending = (labels, num_items_in_batch)
+        try:
+            yield
+        finally:
+            self._pending = None
+
+    def __call__(self, module: nn.Module, args: tuple, outputs):
+        trainer = self._trainer()
+        if self._pending is None or trainer is None:
+            return None
+        labels, num_items = self._pending
+        self._pending = None  # one forward per request (a nested call of the same model stays plain)
+        samples = trainer.head_samples(output_logits(outputs))
+        losses = [self._trick.crf_loss(module, logits, labels, num_items) for logits in samples]
+        return trainer.outputs_with_loss(outputs, losses[0] if len(losses) == 1 else torch.stack(losses).mean())
+
+    def remove(self) -> None:
+        self._handle.remove()

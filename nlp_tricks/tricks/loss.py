@@ -1,0 +1,176 @@
+"""The configured loss on the logits: ``loss_type`` (cross-entropy, focal, label smoothing), ``temperature`` and
+``class_weights``. Its math is in :mod:`nlp_tricks.losses`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..losses import (
+    balanced_class_weights,
+    cross_entropy,
+    focal_alpha_weights,
+    focal_loss,
+    label_smoothing_cross_entropy,
+    parse_class_weights,
+)
+from .base import LossBatch, Trick
+
+__all__ = ["LossFunction", "LOSS_TYPES"]
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("ce", "focal", "label_smoothing")
+
+
+class LossFunction(Trick):
+    """``loss_type`` on ``logits / temperature`` (float32), weighted by ``class_weights``: the last trick asked for
+    the loss, so it is always there (plain cross-entropy when nothing is set)."""
+
+    changes_loss = True
+
+    def __init__(self, args):
+        self.args = args
+        self.class_weights: torch.Tensor | None = None
+
+    @classmethod
+    def from_args(cls, args) -> LossFunction:
+        return cls(args)
+
+    @staticmethod
+    def validate(args) -> None:
+        if args.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={args.loss_type!r} is not allowed; choose one of {', '.join(map(repr, LOSS_TYPES))}"
+            )
+        if args.focal_gamma < 0:
+            raise ValueError(f"focal_gamma={args.focal_gamma} is not allowed; it must be >= 0")
+        if args.focal_alpha is not None:
+            if args.loss_type != "focal":
+                raise ValueError(f"focal_alpha is only used with loss_type='focal', not {args.loss_type!r}")
+            if len(args.focal_alpha) == 0 or any(a < 0 for a in args.focal_alpha):
+                raise ValueError(
+                    f"focal_alpha={args.focal_alpha} is not allowed; give one value in [0, 1] or one weight >= 0 per "
+                    "class"
+                )
+        if args.temperature <= 0:
+            raise ValueError(f"temperature={args.temperature} is not allowed; it must be > 0")
+        if not 0.0 <= args.label_smoothing_factor < 1.0:
+            raise ValueError(
+                f"label_smoothing_factor={args.label_smoothing_factor} is not allowed; it must be in [0, 1)"
+            )
+        if args.loss_type == "label_smoothing" and args.label_smoothing_factor == 0:
+            raise ValueError(
+                "loss_type='label_smoothing' takes its smoothing mass from label_smoothing_factor, which is 0; "
+                "set label_smoothing_factor in (0, 1), e.g. 0.1"
+            )
+        if args.loss_type == "focal" and args.label_smoothing_factor > 0:
+            raise ValueError(
+                "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
+            )
+        args.class_weights = parse_class_weights(args.class_weights, name="class_weights")
+        if args.class_weights is not None and args.loss_type not in ("ce", "label_smoothing"):
+            raise ValueError(
+                f"class_weights apply to loss_type 'ce' or 'label_smoothing', not {args.loss_type!r}; focal loss "
+                "takes its class weights from focal_alpha"
+            )
+        if args.distill_temperature <= 0:
+            raise ValueError(f"distill_temperature={args.distill_temperature} is not allowed; it must be > 0")
+        if not 0.0 <= args.distill_alpha <= 1.0:
+            raise ValueError(f"distill_alpha={args.distill_alpha} is not allowed; it must be in [0, 1]")
+
+    def summary(self) -> list[str]:
+        args, settings = self.args, []
+        if args.loss_type != "ce":
+            settings.append(f"loss_type={args.loss_type!r}")
+        if args.label_smoothing_factor > 0:
+            settings.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+        if args.temperature != 1.0:
+            settings.append(f"temperature={args.temperature}")
+        if args.class_weights is not None:
+            settings.append(f"class_weights={args.class_weights!r}")
+        return settings
+
+    def setup(self, trainer) -> None:
+        self.class_weights = self.resolve_class_weights(trainer)
+
+    def resolve_class_weights(self, trainer) -> torch.Tensor | None:
+        """``args.class_weights`` as a float32 (C,) tensor; 'balanced' is computed from the training labels."""
+        weights = self.args.class_weights
+        if weights is None:
+            return None
+        config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+        num_labels = getattr(config, "num_labels", None)
+        if weights == "balanced":
+            labels = _dataset_labels(trainer.train_dataset)
+            if labels is None or num_labels is None:
+                raise ValueError(
+                    "class_weights='balanced' counts the `labels` of the training dataset and needs the model's "
+                    "config.num_labels; pass train_dataset (with a `labels` column) or give the weights as numbers"
+                )
+            weights = balanced_class_weights(labels, num_labels)
+            logger.info(f"class_weights='balanced': {[round(w, 4) for w in weights]}")
+        elif num_labels is not None and len(weights) != num_labels:
+            id2label = getattr(config, "id2label", None) or {}
+            order = ", ".join(f"{i}={id2label.get(i, i)}" for i in range(num_labels))
+            raise ValueError(
+                f"class_weights has {len(weights)} weights for {num_labels} classes; give one weight per class in "
+                f"this order: {order}"
+            )
+        return torch.tensor(weights, dtype=torch.float32, device=trainer.args.device)
+
+    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
+        if batch.teacher_logits is not None and self.class_weights is not None:
+            raise ValueError("class_weights do not apply to batches with teacher_logits (distillation)")
+        return batch
+
+    def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
+        args = self.args
+        if args.temperature != 1.0:
+            logits = logits / args.temperature
+        if args.loss_type == "focal":
+            return focal_loss(
+                logits,
+                labels,
+                gamma=args.focal_gamma,
+                alpha=self.focal_alpha(trainer),
+                num_items_in_batch=num_items_in_batch,
+            )
+        if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
+            return label_smoothing_cross_entropy(
+                logits,
+                labels,
+                epsilon=args.label_smoothing_factor,
+                num_items_in_batch=num_items_in_batch,
+                weight=self.class_weights,
+            )
+        return cross_entropy(logits, labels, num_items_in_batch=num_items_in_batch, weight=self.class_weights)
+
+    def focal_alpha(self, trainer) -> list[float] | None:
+        """``args.focal_alpha``, one weight per class of the model (:func:`~nlp_tricks.losses.focal_alpha_weights`)."""
+        if self.args.focal_alpha is None:
+            return None
+        id2label = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "id2label", None) or {}
+        names = [str(id2label[i]) for i in sorted(id2label)]
+        return focal_alpha_weights(self.args.focal_alpha, names)
+
+    def count_items(self, trainer, labels):
+        """With class weights a position weighs its class's weight: the divisor is the weight sum, as in
+        ``F.cross_entropy(weight=...)``."""
+        if self.class_weights is None:
+            return None
+        weight = self.class_weights.to(labels.device)
+        return weight[labels.clamp(min=0)].mul(labels.ne(-100)).sum()
+
+
+def _dataset_labels(dataset):
+    """The ``labels`` of every item of a map-style dataset (a ``datasets.Dataset`` column at once), or ``None``."""
+    if dataset is None:
+        return None
+    if "labels" in (getattr(dataset, "column_names", None) or ()):
+        return dataset["labels"]
+    try:
+        return [dataset[i]["labels"] for i in range(len(dataset))]
+    except (TypeError, KeyError, IndexError, NotImplementedError):
+        return None

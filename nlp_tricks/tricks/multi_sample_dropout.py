@@ -1,0 +1,53 @@
+"""``head_dropout_samples`` / ``head_dropout``: multi-sample dropout on the classification head's input. Its
+mechanics are in :class:`nlp_tricks.heads.MultiSampleDropout`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..heads import MultiSampleDropout as _Hooks
+from ..heads import validate_multi_sample_dropout
+from .base import Trick
+
+__all__ = ["MultiSampleDropout"]
+
+
+class MultiSampleDropout(Trick):
+    """K dropout masks on the features entering the head; the loss is the mean of the K heads' losses (the
+    returned logits are the first head's). Off at evaluation."""
+
+    changes_loss = True
+
+    def __init__(self, args):
+        self.args = args
+        self.hooks: _Hooks | None = None
+
+    @classmethod
+    def from_args(cls, args) -> MultiSampleDropout | None:
+        return cls(args) if args.head_dropout_samples > 1 or args.head_dropout > 0 else None
+
+    @staticmethod
+    def validate(args) -> None:
+        validate_multi_sample_dropout(
+            args.head_dropout_samples, args.head_dropout, names=("head_dropout_samples", "head_dropout")
+        )
+
+    def summary(self) -> list[str]:
+        return [f"head_dropout_samples={self.args.head_dropout_samples}, head_dropout={self.args.head_dropout}"]
+
+    def prepare_model(self, trainer, model: nn.Module) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+        self.hooks = _Hooks.attach(model, self.args.head_dropout_samples, self.args.head_dropout)
+
+    def head_samples(self, trainer, logits: torch.Tensor) -> list[torch.Tensor] | None:
+        samples = self.hooks.take() if self.hooks is not None else None
+        if samples is None:
+            return None
+        if samples.shape[1:] != logits.shape:
+            raise ValueError(
+                f"head_dropout_samples: the head's output {tuple(samples.shape[1:])} is not the model's logits "
+                f"{tuple(logits.shape)}; multi-sample dropout needs a model that returns its head's output as logits"
+            )
+        return list(samples.unbind(0))
