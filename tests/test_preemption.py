@@ -360,8 +360,8 @@ def test_recipe_stopped_by_sigterm_exits_75_looking_unfinished_and_resume_finish
 
 
 def test_recipe_max_time_spent_stops_after_the_first_step(tiny_model, tmp_path, monkeypatch, capsys):
-    # The budget counts from the start of this (pytest) process: 1 s is spent before training begins.
-    args = _ner_args(tiny_model, tmp_path, "--max_time", "1s")
+    # The budget counts from the start of this (pytest) process: a millisecond is spent before training begins.
+    args = _ner_args(tiny_model, tmp_path, "--max_time", "0.001s")
     assert run_in_process("ner", args, monkeypatch) == PREEMPTED_EXIT_CODE
     assert "stopped by --max_time at step 1; rerun with --resume_from_checkpoint true" in capsys.readouterr().err
     assert not (tmp_path / "out" / "all_results.json").exists()
@@ -399,3 +399,13 @@ def test_signal_to_the_whole_process_group_spares_the_data_loader_workers(tiny_m
     assert len(stop) == 1, "".join(output)[-3000:]
     step = int(stop[0].split()[5].rstrip(";"))
     assert checkpoint_problem(tmp_path / "out" / f"checkpoint-{step}") is None
+
+
+def test_self_training_stopped_exits_75_without_results(tiny_model, tmp_path, monkeypatch, capsys):
+    (tmp_path / "raw.txt").write_text("john works at acme\nmary ran in paris\n")
+    args = _ner_args(tiny_model, tmp_path, "--task", "ner", "--unlabeled_file", str(tmp_path / "raw.txt"))
+    args += ["--max_time", "0.001s"]
+    assert run_in_process("self_training", args, monkeypatch) == PREEMPTED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "stopped by --max_time at step 1; self-training does not resume: rerun it" in err
+    assert not (tmp_path / "out" / "self_training_results.json").exists()
