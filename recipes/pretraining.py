@@ -70,7 +70,9 @@ from common import (
     load_splits,
     load_weights,
     parse_recipe_args,
+    prepare_output_dir,
     resolve_model_path,
+    resume_argument,
     run_recipe,
     train_evaluate_predict,
 )
@@ -239,6 +241,12 @@ def main() -> None:
     training_args.remove_unused_columns = False
     training_args.prediction_loss_only = True
     set_seed(training_args.seed)
+    prepare_output_dir(
+        training_args.output_dir,
+        data_args.overwrite_output_dir,
+        resume_argument(training_args.resume_from_checkpoint),
+        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
+    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     splits = load_texts(data_args)

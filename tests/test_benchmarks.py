@@ -51,3 +51,14 @@ def test_crf_benchmark_quick_json():
     cases = [r["case"].split()[0] for r in rows]
     assert cases == ["nll+backward", "viterbi", "ner_step_crf"]
     assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_tricks_overhead_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tricks_overhead.py"), "--quick", "--json", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert rows["plain Trainer"]["ratio"] == 1.0 and rows["TricksTrainer, tricks off"]["median_ms"] > 0

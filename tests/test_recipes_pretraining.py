@@ -169,3 +169,24 @@ def test_demo_two_processes(tiny_model, tmp_path):
     assert_ok(proc)
     results = pretrain_results(out)
     assert results["train_samples"] == 16 and results["eval_samples"] == 8
+
+
+def test_an_earlier_runs_results_are_refused_unless_overwrite(tiny_model, tmp_path, monkeypatch, capsys):
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "all_results.json").write_text("{}")  # an earlier run's results
+    corpus = [
+        "--train_file",
+        str(tmp_path / "corpus.txt"),
+        "--validation_split_percentage",
+        "34",
+        "--max_seq_length",
+        "12",
+    ]
+    args = tiny_args(tiny_model, out, *corpus)
+    assert run_in_process("pretraining", args, monkeypatch) == 1
+    assert "holds the results of an earlier run (all_results.json)" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert (out / "all_results.json").read_text() == "{}"
+    assert run_in_process("pretraining", [*args, "--overwrite_output_dir", "true"], monkeypatch) == 0
+    assert json.loads((out / "all_results.json").read_text())["eval_loss"] > 0

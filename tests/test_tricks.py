@@ -238,3 +238,21 @@ def test_tricks_must_be_trick_objects_and_one_takes_the_step(tmp_path):
 
     with pytest.raises(ValueError, match="each run the whole training step"):
         TricksTrainer(model=bert_seq_cls(), args=tricks_args(tmp_path, adversarial="fgm"), tricks=[MyStep()])
+
+
+def test_the_docs_example_runs(tmp_path):
+    """docs/tricks.md's "Writing your own trick" example, run as written on a tiny model."""
+    text = (Path(__file__).parents[1] / "docs" / "tricks.md").read_text(encoding="utf-8")
+    marker = "<!-- the test extracts the next python block and runs it on a tiny model -->"
+    code = text.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {
+        "model": bert_seq_cls(),
+        "args": tricks_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2),
+        "train_dataset": seq_cls_data(n=16),
+    }
+    exec(compile(code, "docs/tricks.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 4
+    assert [log["penalty_weight"] for log in trainer.state.log_history if "penalty_weight" in log] == [0.1] * 4
+    state = load_trick_states(str(tmp_path / "checkpoint-2" / TRICKS_STATE_NAME))
+    assert state == {"LogitPenalty": {"weight": 0.1, "steps": 2}}
