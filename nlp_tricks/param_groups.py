@@ -196,3 +196,36 @@ def build_param_groups(
         group["params"].append(param)
         group["names"].append(name)
     return list(groups.values())
+
+
+def group_learning_rates(groups: list[dict], learning_rate: float) -> dict[str, float]:
+    """The logged learning rates of an optimizer's ``groups``, from upstream's ``learning_rate`` (group 0's lr).
+
+    ``learning_rate`` becomes the body's (``args.learning_rate`` times the schedule) whichever group comes first:
+    upstream logs group 0's lr, which is the head's on models that register their head first (XLM-R) and the
+    embeddings' with layer-wise decay. With groups that carry ``lr_scale`` (:func:`build_param_groups`) it is the
+    body's on every model, and ``lr/<label>`` gives each group's when they differ.
+    """
+    initial = [g.get("initial_lr", g["lr"]) for g in groups]
+    if not initial or initial[0] <= 0:
+        return {}
+    logs = {"learning_rate": learning_rate}
+    if groups[0].get("lr_scale", 0) > 0:
+        logs["learning_rate"] = learning_rate / groups[0]["lr_scale"]
+        reference = initial[0] / groups[0]["lr_scale"]
+    else:  # groups built elsewhere: relative to group 0, as upstream's `learning_rate`
+        reference = initial[0]
+    if len(set(initial)) > 1:
+        for i, group in enumerate(groups):
+            logs[f"lr/{group.get('label', i)}"] = logs["learning_rate"] * initial[i] / reference
+    return logs
+
+
+def group_signature(groups: list[dict], settings: dict) -> dict:
+    """What a checkpoint records of the optimizer's groups (label, lr scale, weight decay, parameter count) and of
+    the ``settings`` that built them, to tell a resume with other settings apart."""
+    rows = [
+        [g.get("label", str(i)), round(float(g.get("lr_scale", 1.0)), 10), g.get("weight_decay"), len(g["params"])]
+        for i, g in enumerate(groups)
+    ]
+    return {"groups": rows, "settings": settings}

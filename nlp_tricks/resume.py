@@ -15,7 +15,7 @@ from transformers.trainer_callback import ExportableState
 
 from .checkpoint import ADAPTER_FILES, TORCH_SUFFIXES, WEIGHTS_FILES, _first
 
-__all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "TrickStateCallback"]
+__all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "optimizer_groups_problem", "TrickStateCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,14 @@ class TrickStateCallback(TrainerCallback, ExportableState):
 
     def __init__(self, trick_state: dict | None = None):
         self.trick_state = {} if trick_state is None else trick_state
+        # The optimizer's groups and the settings that built them (param_groups.group_signature), checked on resume.
+        self.optimizer_groups: dict | None = None
 
     def state(self) -> dict:
-        return {"args": {}, "attributes": {"trick_state": dict(self.trick_state)}}
+        attributes = {"trick_state": dict(self.trick_state)}
+        if self.optimizer_groups is not None:
+            attributes["optimizer_groups"] = self.optimizer_groups
+        return {"args": {}, "attributes": attributes}
 
     def on_train_begin(self, args, state, control, **kwargs):
         # A fresh run holds our own current state here; a resumed run holds the checkpoint's.
@@ -168,3 +173,37 @@ class TrickStateCallback(TrainerCallback, ExportableState):
         else:
             # A checkpoint written without this callback: the Trainer's save step indexes the entry, so create it.
             state.stateful_callbacks[type(self).__name__] = self.state()
+
+
+def optimizer_groups_problem(checkpoint: str | os.PathLike, current: dict) -> str | None:
+    """Why the optimizer state of ``checkpoint`` does not fit the groups this run builds (``current``, from
+    :func:`~nlp_tricks.param_groups.group_signature`), naming the settings that differ; ``None`` when it fits or the
+    checkpoint recorded no groups (written before they were recorded, or by an optimizer that builds its own).
+
+    Upstream loads the checkpoint's optimizer state into the new groups: a different number of groups raises torch's
+    "different number of parameter groups", and the same number with other learning-rate scales or weight decay
+    silently keeps the checkpoint's.
+    """
+    try:
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+            saved = json.load(f).get("stateful_callbacks", {}).get(TrickStateCallback.__name__)
+    except (OSError, ValueError):
+        return None
+    if isinstance(saved, list):
+        saved = saved[0] if saved else None
+    saved = (saved or {}).get("attributes", {}).get("optimizer_groups")
+    if not saved or json.loads(json.dumps(current["groups"])) == saved["groups"]:
+        return None
+    old, new = saved.get("settings", {}), current["settings"]
+    changes = [f"{name} {old[name]!r} -> {new[name]!r}" for name in new if name in old and old[name] != new[name]]
+    if "tricks" in old and old["tricks"] != new["tricks"]:
+        changes = [c for c in changes if not c.startswith("tricks ")]
+        removed = [t for t in old["tricks"] if t not in new["tricks"]]
+        added = [t for t in new["tricks"] if t not in old["tricks"]]
+        changes += [f"{t} (in the checkpoint, not now)" for t in removed] + [f"{t} (new)" for t in added]
+    what = "; ".join(changes) if changes else "the model's parameters differ"
+    return (
+        f"the optimizer's parameter groups differ from the checkpoint's ({len(saved['groups'])} there, "
+        f"{len(current['groups'])} now) because of: {what}. Resume with the checkpoint's settings, or start a new run "
+        "(--overwrite_output_dir) to train with the new ones"
+    )

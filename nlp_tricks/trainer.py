@@ -20,9 +20,15 @@ from .averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
 from .config import TricksArguments
 from .losses import distillation_loss
 from .outputs import output_logits, output_loss
-from .param_groups import NO_DECAY_PATTERNS, build_param_groups
+from .param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
 from .preemption import PreemptionCallback, install_preemption  # --- Preemption ---
-from .resume import CHECKPOINT_RE, TrickStateCallback, checkpoint_problem, get_last_complete_checkpoint
+from .resume import (
+    CHECKPOINT_RE,
+    TrickStateCallback,
+    checkpoint_problem,
+    get_last_complete_checkpoint,
+    optimizer_groups_problem,
+)
 from .tricks import LossBatch, Trick, built_in_tricks
 from .tricks.averaging import ExponentialMovingAverage
 from .tricks.base import TRICKS_STATE_NAME, checkpoint_trick_states, nested, save_trick_states
@@ -147,28 +153,8 @@ class TricksTrainer(Trainer):
                 self._step_metrics.clear()
             logs.update(self.trick_state)
             if self.optimizer is not None and "learning_rate" in logs:
-                self._log_learning_rates(logs)
+                logs.update(group_learning_rates(self.optimizer.param_groups, logs["learning_rate"]))
         super().log(logs, start_time)
-
-    def _log_learning_rates(self, logs: dict[str, float]) -> None:
-        """``learning_rate``: the body's (``args.learning_rate`` times the schedule) whichever group comes first.
-
-        Upstream logs group 0's lr, which is the head's on models that register their head first (XLM-R) and the
-        embeddings' with layer-wise decay. With the groups of :meth:`build_optimizer_groups` (they carry
-        ``lr_scale``) it is the body's on every model, and ``lr/<label>`` gives each group's when they differ.
-        """
-        groups = self.optimizer.param_groups
-        initial = [g.get("initial_lr", g["lr"]) for g in groups]
-        if initial[0] <= 0:
-            return
-        if groups[0].get("lr_scale", 0) > 0:
-            logs["learning_rate"] = logs["learning_rate"] / groups[0]["lr_scale"]
-            reference = initial[0] / groups[0]["lr_scale"]
-        else:  # groups built elsewhere: relative to group 0, as upstream's `learning_rate`
-            reference = initial[0]
-        if len(set(initial)) > 1:
-            for i, group in enumerate(groups):
-                logs[f"lr/{group.get('label', i)}"] = logs["learning_rate"] * initial[i] / reference
 
     # ---- Loss ------------------------------------------------------------------------------------------------------
 
@@ -579,8 +565,15 @@ class TricksTrainer(Trainer):
                     "cannot apply; set both to 1.0 or choose another optimizer"
                 )
             return super().create_optimizer(model)
-        self.optimizer = optimizer_cls(self.build_optimizer_groups(opt_model), **optimizer_kwargs)
+        groups = self.build_optimizer_groups(opt_model)
+        # Saved with each checkpoint: a resume whose settings would build other groups is refused, naming them.
+        self._trick_state_callback().optimizer_groups = self._group_signature(groups)
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
+
+    def _group_signature(self, groups: list[dict]) -> dict:
+        settings = {name: getattr(self.args, name) for name in ("head_lr_scale", "layer_decay", "weight_decay")}
+        return group_signature(groups, {**settings, "tricks": [s for t in self.tricks for s in t.summary()]})
 
     # --- Checkpoints ---
 
@@ -633,6 +626,11 @@ class TricksTrainer(Trainer):
             if problem is not None:
                 raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
         checkpoint = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
+        if checkpoint is not None and self.model is not None:
+            current = self._group_signature(self.build_optimizer_groups(self.model))
+            problem = optimizer_groups_problem(checkpoint, current)
+            if problem is not None:
+                raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
         for trick in self.tricks:
             trick.resume(self, checkpoint)
         if checkpoint is not None and self._trick_states_file_needed():
@@ -719,3 +717,28 @@ class TricksTrainer(Trainer):
                 write_averaging_info(output_dir, info)
             elif os.path.isfile(os.path.join(output_dir, AVERAGING_INFO_NAME)):
                 os.remove(os.path.join(output_dir, AVERAGING_INFO_NAME))  # left by an earlier run: no longer true
+
+    def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
+        """Upstream's model card, tagged ``nlp-tricks``, with a section naming the tricks of the run and which
+        weights were saved (the EMA's, a checkpoint average)."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        super().create_model_card(*args, tags=[*tags, "nlp-tricks"], **kwargs)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.isfile(path):
+            return
+        settings = [setting for trick in self.tricks for setting in trick.summary()]
+        lines = [
+            "",
+            "## Tricks (nlp_tricks)",
+            "",
+            "Trained with `nlp_tricks.TricksTrainer`; the tricks of this run:",
+            "",
+        ]
+        lines += [f"- `{setting}`" for setting in settings]
+        info = self._first("saved_weights_info")
+        if info is not None:
+            what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
+            details = ", ".join(f"{k}: {v}" for k, v in info.items() if k != "weights")
+            lines += ["", f"The saved weights are {what.get(info['weights'], info['weights'])} ({details})."]
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")

@@ -242,3 +242,35 @@ class _Snapshot(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             self.into["value"] = self.model.get_parameter(self.name).detach().clone()
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(layer_decay=0.8), "layer_decay 1.0 -> 0.8"),  # more groups: torch's "different number of groups"
+        (dict(head_lr_scale=5.0), "head_lr_scale 10.0 -> 5.0"),  # same groups, other lr: silently the checkpoint's
+        (dict(crf=True), "crf=True (new)"),
+    ],
+)
+def test_resume_with_other_group_settings_names_them(tmp_path, change, named):
+    from tiny import bert_token_cls, token_cls_data, tricks_args
+
+    settings = dict(max_steps=2, save_strategy="steps", save_steps=2, head_lr_scale=10.0)
+    TricksTrainer(
+        model=bert_token_cls(), args=tricks_args(tmp_path, **settings), train_dataset=token_cls_data()
+    ).train()
+    trainer = TricksTrainer(
+        model=bert_token_cls(), args=tricks_args(tmp_path, **{**settings, "max_steps": 3, **change}),
+        train_dataset=token_cls_data(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="parameter groups differ from the checkpoint's") as error:
+        trainer.train(resume_from_checkpoint=True)
+    assert named in str(error.value)
+    # The same settings resume.
+    same = TricksTrainer(
+        model=bert_token_cls(),
+        args=tricks_args(tmp_path, **{**settings, "max_steps": 3}),
+        train_dataset=token_cls_data(),
+    )
+    same.train(resume_from_checkpoint=True)
+    assert same.state.global_step == 3

@@ -256,3 +256,31 @@ def test_the_docs_example_runs(tmp_path):
     assert [log["penalty_weight"] for log in trainer.state.log_history if "penalty_weight" in log] == [0.1] * 4
     state = load_trick_states(str(tmp_path / "checkpoint-2" / TRICKS_STATE_NAME))
     assert state == {"LogitPenalty": {"weight": 0.1, "steps": 2}}
+
+
+def test_pgd_with_reentrant_checkpointing_is_refused_when_the_trainer_is_built(tmp_path):
+    kwargs = dict(
+        adversarial="pgd", gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    with pytest.raises(ValueError, match="use_reentrant"):
+        TricksTrainer(model=bert_token_cls(), args=tricks_args(tmp_path, **kwargs), train_dataset=token_cls_data())
+    kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # torch's default: PGD trains
+    trainer = TricksTrainer(
+        model=bert_token_cls(), args=tricks_args(tmp_path, **kwargs), train_dataset=token_cls_data()
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3
+
+
+def test_the_model_card_lists_the_tricks_and_the_saved_weights(tmp_path):
+    args = tricks_args(tmp_path, ema_decay=0.9, adversarial="fgm", loss_type="focal")
+    trainer = TricksTrainer(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(), tricks=[LogitPenalty()])
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card(model_name="tiny")
+    card = (tmp_path / "README.md").read_text()
+    assert "nlp-tricks" in card and "## Tricks (nlp_tricks)" in card
+    for setting in ("loss_type='focal'", "adversarial='fgm'", "ema_decay=0.9 (evaluated and saved)", "LogitPenalty"):
+        assert f"- `{setting}`" in card, setting
+    assert "The saved weights are the exponential moving average of the weights (ema_decay: 0.9" in card
+    assert "updates: 3" in card

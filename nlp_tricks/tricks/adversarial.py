@@ -83,6 +83,13 @@ class Adversarial(Trick):
             raise ValueError(
                 "adversarial='awp' is not supported with FSDP: it takes per-tensor norms of weights FSDP shards"
             )
+        reentrant = (trainer.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
+        if self.args.adversarial == "pgd" and trainer.args.gradient_checkpointing and reentrant:
+            raise ValueError(
+                "adversarial='pgd' takes torch.autograd.grad with respect to the perturbation, which torch's "
+                "reentrant checkpointing does not support; with gradient_checkpointing set "
+                'gradient_checkpointing_kwargs {"use_reentrant": false} (the default), or use fgm or freelb'
+            )
         trainer.trick_state.setdefault("adv_skipped", 0)
         if self.args.adv_start_step > 0:
             trainer.trick_state.setdefault("adv_plain_steps", 0)
