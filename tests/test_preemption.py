@@ -24,7 +24,7 @@ from nlp_tricks.preemption import (
     set_time_budget,
 )
 from nlp_tricks.resume import checkpoint_problem
-from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
+from recipe_helpers import TEST_CONLL, TRAIN_CONLL, free_port, run_in_process, tiny_args
 from recipe_helpers import env as recipe_env
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
@@ -229,6 +229,48 @@ def test_the_stop_skips_the_due_evaluation_and_keeps_its_checkpoint_beside_the_b
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
 
 
+class FakeClock:
+    """``time.time`` / ``time.monotonic`` of the preemption module: a clock that moves only when told."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+    def monotonic(self):
+        return self.now
+
+    def perf_counter(self):
+        return self.now
+
+
+class TenSecondSteps(TrainerCallback):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_step_end(self, args, state, control, **kwargs):  # (runs before the PreemptionCallback's)
+        self.clock.now += 10.0
+
+
+def test_max_time_stops_when_the_next_step_and_the_save_would_not_fit(tmp_path, monkeypatch):
+    import nlp_tricks.preemption as preemption
+
+    clock = FakeClock()
+    monkeypatch.setattr(preemption, "time", clock)
+    args = tricks_args(tmp_path, max_steps=1000)
+    trainer = TricksTrainer(
+        model=bert_token_cls(), args=args, train_dataset=token_cls_data(n=64), callbacks=[TenSecondSteps(clock)]
+    )
+    trainer.preemption.deadline = clock.now + 100.0
+    trainer.train()
+    # Steps of 10 s, no save timed yet: 1 s + 4 bytes a parameter at 100 MB/s (a tiny model: ~1 s), times 1.25.
+    # After step k the clock reads 10 k; continuing needs 1.25 * (10 + save) more: k = 8 still fits
+    # (80 + 13.76 < 100), k = 9 does not (90 + 13.76 > 100).
+    assert trainer.preempted == "max_time" and trainer.state.global_step == 9
+    assert checkpoint_problem(tmp_path / "checkpoint-9") is None
+
+
 class SlowSteps(TrainerCallback):
     """Steps of a known length, so that the time budget's estimate has something to measure."""
 
@@ -236,6 +278,7 @@ class SlowSteps(TrainerCallback):
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # real time: a machine loaded enough to stall for a second breaks its margin
 def test_max_time_stops_before_the_deadline_with_a_checkpoint(tmp_path):
     start = time.time()
     deadline = start + 3.0
@@ -303,6 +346,7 @@ def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exa
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--main_process_port", str(free_port())]  # other jobs on the machine may hold the default port
     cmd += [str(ROOT / "tests" / "scripts" / "preempt_ddp.py"), str(tmp_path)]
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
