@@ -34,6 +34,7 @@ from nlp_tricks.data import (
     split_examples,
 )
 from nlp_tricks.losses import focal_alpha_weights
+from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop, set_time_budget
 from nlp_tricks.resume import get_last_complete_checkpoint
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -117,6 +118,21 @@ class ModelArguments:
     )
 
 
+@dataclass
+class RunArguments:
+    """How long the run may take (every recipe has these; parse_recipe_args applies them)."""
+
+    max_time: str | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock budget of this process, e.g. 8h45m, 30m, 90s: before it runs out, training stops "
+            "after a whole step, saves a complete checkpoint-N and exits with status 75 (as on SIGTERM); rerun "
+            "with --resume_from_checkpoint true. Counted from the process start, so loading is included; the "
+            "final evaluation and prediction of a finished run are not. See docs/checkpoints.md."
+        },
+    )
+
+
 def is_main_process() -> bool:
     """Rank 0 of a launched job (or a plain run), read from the launcher's environment without any collective."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -142,12 +158,18 @@ def parse_recipe_args(
     status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", "do_train": True, **(defaults or {})}
+    defaults = {
+        "output_dir": f"outputs/{recipe}",
+        "report_to": "none",
+        "do_train": True,
+        "enable_jit_checkpoint": True,
+        **(defaults or {}),
+    }
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
         defaults.setdefault("use_cpu", True)
-    parser = HfArgumentParser(dataclass_types)
+    parser = HfArgumentParser((*dataclass_types, RunArguments))
     parser.prog = f"{recipe}.py"
     parser.allow_abbrev = False  # `given` below reads the flags as typed
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
@@ -155,7 +177,13 @@ def parse_recipe_args(
         actions["resume_from_checkpoint"].help = (
             "Resume training: 'true' picks the newest COMPLETE checkpoint-N in --output_dir (a folder a crash left "
             "half-written is skipped with a warning), or give a checkpoint folder. Checkpoints are written with "
-            "--save_steps N (or --save_strategy epoch)."
+            "--save_steps N (or --save_strategy epoch), and by a run stopped by SIGTERM or --max_time."
+        )
+    if "enable_jit_checkpoint" in actions:
+        actions["enable_jit_checkpoint"].help = (
+            "On SIGTERM or SIGUSR1 (a preemption: Kubernetes, SLURM's --signal, spot instances), finish the current "
+            "optimizer step, save a complete checkpoint-N of it and exit with status 75; rerun with "
+            "--resume_from_checkpoint true. On by default in the recipes; false lets the signal end the run at once."
         )
     from_file = {}
     if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
@@ -176,6 +204,10 @@ def parse_recipe_args(
                 setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
+    try:  # --- Preemption ---
+        set_time_budget(namespace.max_time)
+    except ValueError as err:
+        parser.error(f"--max_time: {err}")
     try:
         return tuple(
             dtype(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(dtype) if f.init})
@@ -625,6 +657,7 @@ def train_evaluate_predict(
                 "with --save_steps N or --save_strategy epoch)",
             )
         train_result = trainer.train(resume_from_checkpoint=resume)
+        exit_if_preempted(trainer)
         trainer.save_model()
         trainer.save_state()
         results.update(train_result.metrics)
@@ -651,6 +684,18 @@ def train_evaluate_predict(
     if trainer.is_world_process_zero():
         write_json_atomic(Path(args.output_dir) / "all_results.json", results)
     return results
+
+
+def exit_if_preempted(trainer, hint: str = "rerun with --resume_from_checkpoint true") -> None:
+    """End the recipe if training was stopped early (a preemption signal or ``--max_time``): one line on rank 0
+    (``stopped by SIGTERM at step 7; rerun with --resume_from_checkpoint true``) and exit status 75, with no final
+    model, evaluation, predictions or ``all_results.json``: nothing that looks like a finished run. The checkpoint
+    of the step it stopped at is complete."""
+    if getattr(trainer, "preempted", None) is None:
+        return
+    if trainer.is_world_process_zero():
+        print(describe_stop(trainer.preemption, hint), file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def data_record(splits: dict[str, tuple[list[dict], str]], labels: list[str] | None = None) -> dict:

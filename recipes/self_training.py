@@ -70,6 +70,7 @@ from classification import (
 from common import (
     ModelArguments,
     check_label_arguments,
+    exit_if_preempted,
     is_main_process,
     labelled_splits,
     load_classifier,
@@ -306,6 +307,7 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
     train_result = trainer.train()
+    exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---
     trainer.save_model()
     metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
     for split, prefix in (("validation", "eval"), ("test", "test")):
