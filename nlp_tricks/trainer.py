@@ -21,7 +21,7 @@ from .config import TricksArguments
 from .losses import distillation_loss
 from .outputs import output_logits, output_loss
 from .param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
-from .preemption import PreemptionCallback, install_preemption  # --- Preemption ---
+from .preemption import PreemptionCallback, install_preemption
 from .resume import (
     CHECKPOINT_RE,
     TrickStateCallback,
@@ -117,7 +117,7 @@ class TricksTrainer(Trainer):
         for trick in self.tricks:
             self.add_callback(trick)
             trick.setup(self)
-        # --- Preemption ---: replaces upstream's in-step JIT save (docs/checkpoints.md)
+        # SIGTERM / SIGUSR1 / --max_time: a checkpoint at a step boundary, then stop (docs/checkpoints.md).
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
 
@@ -655,12 +655,12 @@ class TricksTrainer(Trainer):
             for trick in self.tricks:
                 if trick.has_state() and trick.state_name in states:
                     trick.load_state_dict(states[trick.state_name])
-        with self.preemption.signal_handlers():  # --- Preemption --- (restored even if training raises)
+        with self.preemption.signal_handlers():  # restored even if training raises
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
-        self.preempted = self.preemption.stopped_by  # --- Preemption ---
-        if self.preempted is None:  # --- Preemption --- (a stopped run is not finished: no SWA average, no best EMA)
+        self.preempted = self.preemption.stopped_by
+        if self.preempted is None:  # a stopped run is not finished: no SWA average, no best EMA
             for trick in self.tricks:
                 trick.train_end(self)
         return output

@@ -172,7 +172,8 @@ class Trick(TrainerCallback):
         """Before training starts: ``checkpoint`` is the folder it resumes from (``None`` for a fresh run)."""
 
     def train_end(self, trainer: TricksTrainer) -> None:
-        """After upstream's training loop, before ``train()`` returns (SWA loads its average here)."""
+        """After upstream's training loop, before ``train()`` returns (SWA loads its average here); not called
+        when training was stopped early (SIGTERM, ``--max_time``)."""
 
     # ---- State carried by checkpoints ---------------------------------------------------------------------------
 
