@@ -85,6 +85,16 @@ RECIPE_DEFAULTS = {
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
+# Added to the ablation runner's common configurations (recipes/ablation.py).
+ABLATION_CONFIGURATIONS = {
+    "pooling_mean": ["--pooling", "mean"],
+    "pooling_mean_max": ["--pooling", "mean_max"],
+    "pooling_weighted_layers": ["--pooling", "weighted_layers"],
+    "pooling_attention": ["--pooling", "attention"],
+    "reinit_2": ["--reinit_layers", "2"],
+    "freeze_2": ["--freeze_layers", "2"],
+    "freeze_2_unfreeze": ["--freeze_layers", "2", "--unfreeze_at_step", "50"],
+}
 
 
 @dataclass

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer, HfArgumentParser
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    HfArgumentParser,
+)
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
 from nlp_tricks.crf import add_crf, bio_constraints, load_crf_model
@@ -34,6 +40,7 @@ from nlp_tricks.data import (
     split_examples,
 )
 from nlp_tricks.losses import focal_alpha_weights
+from nlp_tricks.pooling import load_pooled_model
 from nlp_tricks.resume import get_last_complete_checkpoint
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -452,7 +459,8 @@ def load_weights(
 ):
     """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights.
 
-    A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it.
+    A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it;
+    one saved with ``--pooling`` (``config.pooling``) with its pooling.
     """
     if is_state_dict_file(model_name_or_path):
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
@@ -465,6 +473,14 @@ def load_weights(
     if getattr(config, "crf", False) and auto_cls is AutoModelForTokenClassification:
         with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
             return load_crf_model(
+                model_name_or_path,
+                config=config,
+                trust_remote_code=trust_remote_code,
+                ignore_mismatched_sizes=ignore_mismatched_sizes,
+            )
+    if getattr(config, "pooling", None) is not None and auto_cls is AutoModelForSequenceClassification:
+        with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
+            return load_pooled_model(
                 model_name_or_path,
                 config=config,
                 trust_remote_code=trust_remote_code,

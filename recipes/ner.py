@@ -97,6 +97,9 @@ ABLATION_CONFIGURATIONS = {
     "crf_bio": ["--crf", "true", "--crf_bio_constraints", "true"],
     "class_weights": ["--class_weights", "balanced"],
     "multi_sample_dropout": ["--head_dropout_samples", "5", "--head_dropout", "0.5"],
+    "reinit_2": ["--reinit_layers", "2"],
+    "freeze_2": ["--freeze_layers", "2"],
+    "freeze_2_unfreeze": ["--freeze_layers", "2", "--unfreeze_at_step", "50"],
 }
 
 

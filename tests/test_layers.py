@@ -230,3 +230,32 @@ def test_freeze_bottom_layers_returns_what_it_froze():
     frozen = freeze_bottom_layers(model, 1)
     names = {n for n, p in model.named_parameters() if any(p is f for f in frozen)}
     assert names == {n for n, _ in model.named_parameters() if n.startswith(FROZEN_BY_ONE)}
+
+
+def test_an_ema_averages_the_layers_that_thaw_later_and_not_those_frozen_throughout(tmp_path):
+    thawing, _ = _train(tmp_path / "thaw", freeze_layers=1, unfreeze_at_step=2, ema_decay=0.9)
+    assert "bert.embeddings.word_embeddings.weight" in thawing.ema.names
+    frozen, _ = _train(tmp_path / "frozen", freeze_layers=1, ema_decay=0.9)
+    assert not any(name.startswith(FROZEN_BY_ONE) for name in frozen.ema.names)
+    assert "bert.encoder.layer.1.output.dense.weight" in frozen.ema.names
+
+
+def test_a_resumed_run_freezes_what_its_step_says(tmp_path):
+    """Resumed at step 2 of unfreeze_at_step=3: still frozen, thawed after step 3; the end equals the unbroken run."""
+    settings = dict(freeze_layers=1, unfreeze_at_step=3, max_steps=4, save_strategy="steps", save_steps=2)
+    full, _ = _train(tmp_path / "full", **settings)
+    resumed_args = tricks_args(tmp_path / "full", per_device_train_batch_size=2, **settings)
+    resumed = TricksTrainer(model=bert_seq_cls(), args=resumed_args, train_dataset=seq_cls_data(n=16))
+    snapshot = _Snapshot(at_step=3)
+    resumed.add_callback(snapshot)
+    checkpoint = str(tmp_path / "full" / "checkpoint-2")
+    from safetensors.torch import load_file
+
+    at_2 = load_file(f"{checkpoint}/model.safetensors")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    state = _optimizer_state(resumed)
+    for name, param in resumed.model.named_parameters():
+        if name.startswith(FROZEN_BY_ONE):
+            assert torch.equal(snapshot.weights[name], at_2[name]), f"{name} changed at step 3"
+            assert state[param]["step"] == 1, name
+        torch.testing.assert_close(param, dict(full.model.named_parameters())[name], rtol=0, atol=0)

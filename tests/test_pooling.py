@@ -207,3 +207,8 @@ def test_recipe_flag(tiny_model, tmp_path, monkeypatch):
     assert model.pooling.mode == "mean" and model.bert.pooler is None
     plain = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=2)
     assert plain.bert.pooler is not None
+    # The saved folder as --model_name_or_path loads pooled (the recipe reads config.pooling) and trains on.
+    again = tmp_path / "again"
+    assert run_in_process("classification", tiny_args(str(out), again, *files), monkeypatch) == 0
+    reloaded = load_pooled_model(again)
+    assert reloaded.pooling.mode == "mean" and not torch.equal(reloaded.classifier.weight, model.classifier.weight)
