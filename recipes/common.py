@@ -409,6 +409,19 @@ def load_config_and_tokenizer(
 
 
 @contextlib.contextmanager
+def refusals_of_the_model():
+    """Around building the trainer: a trick that refuses this model (``--pooling`` on a head it cannot feed,
+    ``--reinit_layers`` / ``--freeze_layers`` beyond its layers) raises ``ValueError`` naming the setting; it becomes
+    that one line instead of a traceback."""
+    try:
+        yield
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(None, None, str(err).splitlines()[0]) from err
+
+
+@contextlib.contextmanager
 def _one_line_errors(what: str):
     """A model / dataset that cannot be loaded (no such folder, a Hub id while offline, a head of another shape)
     becomes one :class:`DataError` line naming the flag, instead of a traceback."""

@@ -71,6 +71,7 @@ from common import (
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
+    refusals_of_the_model,
     resume_argument,
     run_recipe,
     train_evaluate_predict,
@@ -415,16 +416,17 @@ def main() -> None:
 
     if "validation" not in eval_sets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    trainer = TricksTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
-        processing_class=tokenizer,
-        data_collator=DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
-        compute_metrics=split_metrics.get("validation"),
-        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
-    )
+    with refusals_of_the_model():
+        trainer = TricksTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
+            processing_class=tokenizer,
+            data_collator=DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
+            compute_metrics=split_metrics.get("validation"),
+            preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        )
 
     # ---- Train, evaluate, predict; all_results.json last ----
     def write_test_predictions(output):

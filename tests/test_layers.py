@@ -259,3 +259,17 @@ def test_a_resumed_run_freezes_what_its_step_says(tmp_path):
             assert torch.equal(snapshot.weights[name], at_2[name]), f"{name} changed at step 3"
             assert state[param]["step"] == 1, name
         torch.testing.assert_close(param, dict(full.model.named_parameters())[name], rtol=0, atol=0)
+
+
+def test_a_recipe_refuses_settings_beyond_the_models_layers_in_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    from recipe_helpers import CLS_ROWS, run_in_process, tiny_args, write_csv
+
+    write_csv(tmp_path / "train.csv", CLS_ROWS)
+    out = tmp_path / "out"
+    args = tiny_args(tiny_model, out, "--train_file", str(tmp_path / "train.csv"), "--reinit_layers", "9")
+    assert run_in_process("classification", args, monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("reinit_layers=9")]
+    assert lines == ["reinit_layers=9 is not allowed for BertForSequenceClassification: it has 2 layers"], err[-2000:]
+    assert not (out / "all_results.json").exists()
