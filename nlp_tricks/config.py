@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .adversarial import ADV_NORMS
+from .pooling import POOLING_MODES
 from .scheduled_sampling import MODES, SCHEDULES
 from .tricks import validate_arguments
 from .tricks.adversarial import ADVERSARIAL_METHODS
@@ -250,6 +251,47 @@ class TricksArguments(TrainingArguments):
         default=0.0,
         metadata={
             "help": "Dropout probability in [0, 1) of each multi-sample dropout mask (with head_dropout_samples)."
+        },
+    )
+
+    # --- Pooling, re-initialised top layers, frozen bottom layers ---
+    pooling: str | None = field(
+        default=None,
+        metadata={
+            "help": "Sequence classification on an encoder: classify from this pooled vector instead of the model's "
+            "own pooler / first token. 'cls' (first position), 'mean' / 'max' (over the positions the attention mask "
+            "keeps), 'mean_max' (both concatenated; the head's first linear layer doubles its input), "
+            "'weighted_layers' (learned softmax weights over every layer's masked mean) or 'attention' (learned "
+            "attention over positions). The pooled vector feeds the model's own head; saved with the model "
+            "(config.pooling); load it with nlp_tricks.pooling.load_pooled_model. Default: the model's own head.",
+            "choices": list(POOLING_MODES),
+        },
+    )
+    reinit_layers: int = field(
+        default=0,
+        metadata={
+            "help": "Re-initialise the top K encoder layers (and the base model's pooler, if it has one) with the "
+            "model's own init before training (Zhang et al. 2021), drawn under `seed`; every other weight stays "
+            "the pretrained one. 0: off. Typical: 1-3."
+        },
+    )
+    freeze_layers: int = field(
+        default=0,
+        metadata={
+            "help": "Freeze the embeddings and the bottom N layers: no update and no optimizer state (see "
+            "unfreeze_at_step). 0: off."
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=False,
+        metadata={"help": "Freeze the embeddings (with freeze_layers > 0 they are frozen anyway)."},
+    )
+    unfreeze_at_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Make the frozen parameters (freeze_layers / freeze_embeddings) trainable from optimizer step S "
+            "(>= 1): steps 0..S-1 leave them alone, their optimizer state starts at step S. Under DDP it needs "
+            "ddp_find_unused_parameters (on by default without gradient checkpointing). Default: frozen throughout."
         },
     )
 

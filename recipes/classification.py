@@ -65,6 +65,7 @@ from common import (
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
+    refusals_of_the_model,
     resume_argument,
     run_recipe,
     train_evaluate_predict,
@@ -85,6 +86,16 @@ RECIPE_DEFAULTS = {
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
+# Added to the ablation runner's common configurations (recipes/ablation.py).
+ABLATION_CONFIGURATIONS = {
+    "pooling_mean": ["--pooling", "mean"],
+    "pooling_mean_max": ["--pooling", "mean_max"],
+    "pooling_weighted_layers": ["--pooling", "weighted_layers"],
+    "pooling_attention": ["--pooling", "attention"],
+    "reinit_2": ["--reinit_layers", "2"],
+    "freeze_2": ["--freeze_layers", "2"],
+    "freeze_2_unfreeze": ["--freeze_layers", "2", "--unfreeze_at_step", "50"],
+}
 
 
 @dataclass
@@ -377,16 +388,17 @@ def main() -> None:
 
     if "validation" not in eval_datasets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    trainer = TricksTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_datasets.get("validation"),
-        processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-        compute_metrics=split_metrics.get("validation"),
-        preprocess_logits_for_metrics=predict,
-    )
+    with refusals_of_the_model():
+        trainer = TricksTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_datasets.get("validation"),
+            processing_class=tokenizer,
+            data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+            compute_metrics=split_metrics.get("validation"),
+            preprocess_logits_for_metrics=predict,
+        )
 
     # ---- Train, evaluate, predict; all_results.json last ----
     output_dir = Path(training_args.output_dir)

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer, HfArgumentParser
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    HfArgumentParser,
+)
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
 from nlp_tricks.crf import add_crf, bio_constraints, load_crf_model
@@ -34,6 +40,7 @@ from nlp_tricks.data import (
     split_examples,
 )
 from nlp_tricks.losses import focal_alpha_weights
+from nlp_tricks.pooling import load_pooled_model
 from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop, set_time_budget
 from nlp_tricks.resume import get_last_complete_checkpoint
 
@@ -434,6 +441,19 @@ def load_config_and_tokenizer(
 
 
 @contextlib.contextmanager
+def refusals_of_the_model():
+    """Around building the trainer: a trick that refuses this model (``--pooling`` on a head it cannot feed,
+    ``--reinit_layers`` / ``--freeze_layers`` beyond its layers) raises ``ValueError`` naming the setting; it becomes
+    that one line instead of a traceback."""
+    try:
+        yield
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(None, None, str(err).splitlines()[0]) from err
+
+
+@contextlib.contextmanager
 def _one_line_errors(what: str):
     """A model / dataset that cannot be loaded (no such folder, a Hub id while offline, a head of another shape)
     becomes one :class:`DataError` line naming the flag, instead of a traceback."""
@@ -484,7 +504,8 @@ def load_weights(
 ):
     """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights.
 
-    A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it.
+    A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it;
+    one saved with ``--pooling`` (``config.pooling``) with its pooling.
     """
     if is_state_dict_file(model_name_or_path):
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
@@ -497,6 +518,14 @@ def load_weights(
     if getattr(config, "crf", False) and auto_cls is AutoModelForTokenClassification:
         with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
             return load_crf_model(
+                model_name_or_path,
+                config=config,
+                trust_remote_code=trust_remote_code,
+                ignore_mismatched_sizes=ignore_mismatched_sizes,
+            )
+    if getattr(config, "pooling", None) is not None and auto_cls is AutoModelForSequenceClassification:
+        with _one_line_errors(f"--model_name_or_path {model_name_or_path}"):
+            return load_pooled_model(
                 model_name_or_path,
                 config=config,
                 trust_remote_code=trust_remote_code,

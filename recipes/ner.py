@@ -71,6 +71,7 @@ from common import (
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
+    refusals_of_the_model,
     resume_argument,
     run_recipe,
     train_evaluate_predict,
@@ -97,6 +98,9 @@ ABLATION_CONFIGURATIONS = {
     "crf_bio": ["--crf", "true", "--crf_bio_constraints", "true"],
     "class_weights": ["--class_weights", "balanced"],
     "multi_sample_dropout": ["--head_dropout_samples", "5", "--head_dropout", "0.5"],
+    "reinit_2": ["--reinit_layers", "2"],
+    "freeze_2": ["--freeze_layers", "2"],
+    "freeze_2_unfreeze": ["--freeze_layers", "2", "--unfreeze_at_step", "50"],
 }
 
 
@@ -412,16 +416,17 @@ def main() -> None:
 
     if "validation" not in eval_sets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    trainer = TricksTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
-        processing_class=tokenizer,
-        data_collator=DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
-        compute_metrics=split_metrics.get("validation"),
-        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
-    )
+    with refusals_of_the_model():
+        trainer = TricksTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
+            processing_class=tokenizer,
+            data_collator=DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
+            compute_metrics=split_metrics.get("validation"),
+            preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        )
 
     # ---- Train, evaluate, predict; all_results.json last ----
     def write_test_predictions(output):

@@ -11,8 +11,10 @@ from .adversarial import Adversarial
 from .averaging import CheckpointAveraging, ExponentialMovingAverage
 from .base import LossBatch, Trick
 from .crf import CRFHead
+from .layers import LayerFreezing, ReinitLayers
 from .loss import LossFunction
 from .multi_sample_dropout import MultiSampleDropout
+from .pooling import PoolingHead
 from .rdrop import RDrop
 from .scheduled_sampling import ScheduledSampling
 
@@ -21,6 +23,9 @@ __all__ = ["Trick", "LossBatch", "BUILT_IN_TRICKS", "built_in_tricks", "validate
 # The built-in tricks in the order their hooks run. Where a hook's first answer wins (the forward, the loss, the item
 # count) the earlier trick decides: the CRF's loss and count come before the configured loss function's.
 BUILT_IN_TRICKS = (
+    # The model's shape first (the heads hooked by later tricks are the pooled model's), then its weights.
+    PoolingHead,
+    ReinitLayers,
     ScheduledSampling,
     CRFHead,
     MultiSampleDropout,
@@ -29,6 +34,8 @@ BUILT_IN_TRICKS = (
     Adversarial,
     ExponentialMovingAverage,
     CheckpointAveraging,
+    # After the EMA: it is built when training begins, before this trick freezes what unfreeze_at_step thaws later.
+    LayerFreezing,
 )
 
 
@@ -60,6 +67,11 @@ def validate_arguments(args) -> None:
         raise ValueError(
             f"rdrop_alpha={args.rdrop_alpha} compares per-position distributions, which crf=True does not train "
             "(the CRF scores whole tag sequences); use one of them"
+        )
+    if args.pooling is not None and args.crf:
+        raise ValueError(
+            f"pooling={args.pooling!r} applies to sequence classification and crf=True to token classification; "
+            "use one of them"
         )
     if args.swa_last_k > 0 and args.load_best_model_at_end:
         raise ValueError("swa_last_k and load_best_model_at_end both choose the final weights; use one of them")

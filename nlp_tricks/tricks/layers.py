@@ -1,0 +1,135 @@
+"""``reinit_layers``, and ``freeze_layers`` / ``freeze_embeddings`` / ``unfreeze_at_step``: whole layers started
+again or held fixed. Their mechanics are in :mod:`nlp_tricks.layers`."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from transformers.trainer_utils import unwrap_peft_model
+from transformers.training_args import ParallelMode
+
+from ..layers import freeze_bottom_layers, model_layers, reinit_top_layers, seeded, unfreeze
+from .base import Trick
+
+__all__ = ["ReinitLayers", "LayerFreezing"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_count(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 0")
+
+
+class ReinitLayers(Trick):
+    """Re-initialises the top ``reinit_layers`` layers (and the base model's pooler) with the model's own
+    ``_init_weights`` before training, drawing under ``seed`` (the global RNG is left as it was)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.reinitialised: list[str] = []
+
+    @classmethod
+    def from_args(cls, args) -> ReinitLayers | None:
+        return cls(args) if args.reinit_layers > 0 else None
+
+    @staticmethod
+    def validate(args) -> None:
+        _check_count(args.reinit_layers, "reinit_layers")
+
+    def summary(self) -> list[str]:
+        return [f"reinit_layers={self.args.reinit_layers}"]
+
+    def prepare_model(self, trainer, model: nn.Module) -> None:
+        param = next(model.parameters(), None)
+        with seeded(self.args.seed, param.device if param is not None else None):
+            self.reinitialised = reinit_top_layers(model, self.args.reinit_layers)
+        logger.info(f"reinit_layers={self.args.reinit_layers}: re-initialised {', '.join(self.reinitialised)}")
+
+
+class LayerFreezing(Trick):
+    """Holds the embeddings (and the bottom ``freeze_layers`` layers) fixed.
+
+    Without ``unfreeze_at_step`` they are frozen (``requires_grad=False``) before the Trainer builds its optimizer
+    and wraps the model: the optimizer never holds them and DDP never reduces their gradients. With it they stay in
+    the optimizer and in DDP's reducer, are frozen when training begins (they get no gradient, so AdamW skips them and
+    keeps no state), and become trainable again after optimizer step ``unfreeze_at_step`` (their optimizer state
+    starts then). Only parameters that were trainable are touched: a PEFT model's frozen base stays frozen.
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.frozen: list[nn.Parameter] = []
+
+    @classmethod
+    def from_args(cls, args) -> LayerFreezing | None:
+        return cls(args) if args.freeze_layers > 0 or args.freeze_embeddings else None
+
+    @staticmethod
+    def validate(args) -> None:
+        _check_count(args.freeze_layers, "freeze_layers")
+        step = args.unfreeze_at_step
+        if step is not None:
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise ValueError(f"unfreeze_at_step={step!r} is not allowed; it must be an integer >= 1")
+            if args.freeze_layers == 0 and not args.freeze_embeddings:
+                raise ValueError(
+                    f"unfreeze_at_step={step} needs something frozen: set freeze_layers > 0 or freeze_embeddings"
+                )
+
+    def summary(self) -> list[str]:
+        settings = [f"freeze_layers={self.args.freeze_layers}"] if self.args.freeze_layers else []
+        if self.args.freeze_embeddings and not self.args.freeze_layers:
+            settings.append("freeze_embeddings=True")
+        if self.args.unfreeze_at_step is not None:
+            settings.append(f"unfreeze_at_step={self.args.unfreeze_at_step}")
+        return [", ".join(settings)]
+
+    def prepare_model(self, trainer, model: nn.Module) -> None:
+        n = self.args.freeze_layers
+        if self.args.reinit_layers:
+            _, layers, _ = model_layers(model)
+            if n > len(layers) - self.args.reinit_layers:
+                raise ValueError(
+                    f"freeze_layers={n} and reinit_layers={self.args.reinit_layers} overlap on "
+                    f"{type(unwrap_peft_model(model)).__name__}'s {len(layers)} layers: a re-initialised layer would "
+                    "never train"
+                )
+        self.frozen = freeze_bottom_layers(model, n, embeddings=True)
+        if not self.frozen:
+            logger.warning(
+                f"{self.summary()[0]}: no trainable parameter there to freeze (a PEFT model's base is frozen already)"
+            )
+        if self.args.unfreeze_at_step is not None:
+            # Kept trainable until training begins: the optimizer and DDP's reducer must hold them.
+            unfreeze(self.frozen)
+
+    def setup(self, trainer) -> None:
+        if self.args.unfreeze_at_step is None:
+            return
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise ValueError(
+                f"unfreeze_at_step={self.args.unfreeze_at_step} changes which parameters train during the run, which "
+                "DeepSpeed / FSDP flattened parameters do not allow; freeze without unfreezing, or use DDP"
+            )
+        args = self.args
+        if args.parallel_mode == ParallelMode.DISTRIBUTED:
+            find_unused = args.ddp_find_unused_parameters
+            if find_unused is None:
+                find_unused = not (args.activation_checkpointing or args.gradient_checkpointing)
+            if not find_unused:
+                raise ValueError(
+                    f"unfreeze_at_step={args.unfreeze_at_step} under DDP needs ddp_find_unused_parameters=True "
+                    "(frozen parameters produce no gradient until then); it is off (set explicitly, or by gradient "
+                    "checkpointing)"
+                )
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.args.unfreeze_at_step is not None and state.global_step < self.args.unfreeze_at_step:
+            for param in self.frozen:
+                param.requires_grad_(False)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.args.unfreeze_at_step is not None and state.global_step == self.args.unfreeze_at_step:
+            unfreeze(self.frozen)

@@ -1,0 +1,46 @@
+"""``pooling``: classify from a pooled vector (mean, max, mean-max, weighted layers, attention, CLS) instead of the
+model's own pooler. Its math is in :mod:`nlp_tricks.pooling`."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.trainer_utils import unwrap_peft_model
+
+from ..layers import seeded
+from ..pooling import POOLING_MODES, Pooling, add_pooling
+from .base import Trick
+
+__all__ = ["PoolingHead"]
+
+
+class PoolingHead(Trick):
+    """Attaches :func:`~nlp_tricks.pooling.add_pooling` to the model before the Trainer wraps it; its new weights are
+    drawn under ``seed``. Training, saving and loading need nothing else (``load_pooled_model`` reads the saved
+    model back)."""
+
+    def __init__(self, args):
+        self.args = args
+
+    @classmethod
+    def from_args(cls, args) -> PoolingHead | None:
+        return cls(args) if args.pooling is not None else None
+
+    @staticmethod
+    def validate(args) -> None:
+        if args.pooling is not None and args.pooling not in POOLING_MODES:
+            raise ValueError(f"pooling={args.pooling!r} is not allowed; choose one of {', '.join(POOLING_MODES)}")
+
+    def summary(self) -> list[str]:
+        return [f"pooling={self.args.pooling}"]
+
+    def prepare_model(self, trainer, model: nn.Module) -> None:
+        inner = unwrap_peft_model(model)
+        if inner is not model and not isinstance(getattr(inner, "pooling", None), Pooling):
+            raise ValueError(
+                f"pooling={self.args.pooling!r} cannot be added to a PEFT model after wrapping: call "
+                "nlp_tricks.pooling.add_pooling(model, mode) first, then get_peft_model with 'pooling' and the "
+                "classifier in modules_to_save"
+            )
+        param = next(inner.parameters(), None)
+        with seeded(self.args.seed, param.device if param is not None else None):
+            add_pooling(inner, self.args.pooling)
