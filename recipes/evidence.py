@@ -359,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Simulate synthetic ablations (1,000 examples, accuracy) and print, per interval method, how "
         "often its 95% interval excludes zero and how often it misses the true difference.",
     )
-    parser.add_argument("--simulations", type=int, default=400, help="synthetic ablations per row")
-    parser.add_argument("--resamples", type=int, default=500, help="bootstrap resamples per interval")
+    parser.add_argument("--simulations", type=int, default=300, help="synthetic ablations per row")
+    parser.add_argument("--resamples", type=int, default=300, help="bootstrap resamples per interval")
     parser.add_argument("--seeds", default="2,3,5", help="comma-separated seeds per system")
     args = parser.parse_args(argv)
     print(
