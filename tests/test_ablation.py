@@ -195,3 +195,23 @@ def test_dry_run_lists_the_runs_and_starts_none(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         ablation.main(["--recipe", "ner", "--output_dir", str(out), "--add_configuration", "late", "--dry_run"])
     assert exit_info.value.code == 2 and "NAME=FLAGS" in capsys.readouterr().err
+
+
+def test_run_one_reuses_a_run_finished_with_the_same_flags_only(tmp_path, capsys):
+    """Resume without training: a stand-in script writes its flags as results; a finished run with the same flags is
+    returned as it is, one with other flags runs again (and --dry_run counts them the same way)."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(
+        "import json, sys\nout = sys.argv[sys.argv.index('--output_dir') + 1]\n"
+        "json.dump({'flags': sys.argv[1:]}, open(out + '/all_results.json', 'w'))\n"
+    )
+    run_dir = tmp_path / "run"
+    first = ablation.run_one(str(script), run_dir, ["--seed", "1"])
+    assert "--seed" in first["results"]["flags"] and ablation.finished_record(run_dir, ["--seed", "1"]) == first
+    capsys.readouterr()
+    assert ablation.run_one(str(script), run_dir, ["--seed", "1"]) == first
+    assert "[ablation]" not in capsys.readouterr().out  # nothing ran
+    assert ablation.finished_record(run_dir, ["--seed", "2"]) is None
+    second = ablation.run_one(str(script), run_dir, ["--seed", "2"])
+    assert "finished with other flags" in capsys.readouterr().out
+    assert second["flags"] == ["--seed", "2"] and second["results"]["flags"][-1] == "2"
