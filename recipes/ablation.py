@@ -19,10 +19,17 @@ Protocol:
 - Learning rates (``--lrs``) are chosen per configuration and fold on that fold's validation part (a tenth of its
   training data, or the recipe's validation split without folds), never on a test fold; the table shows the
   first learning rate of the list and the chosen one.
-- The difference from ``baseline`` comes with a 95% interval from a paired bootstrap over examples (sentences,
-  texts, documents; ``--resamples``, default 1000): each resample draws the examples with replacement and
-  recomputes both systems' metric on the same draw, the seeds' predictions of an example counted together. A
-  difference whose interval excludes zero is marked ``*``.
+- Every configuration runs on the baseline's seeds and folds, so seed s, fold k of a trick is paired with seed s,
+  fold k of the baseline. With ``--seeds`` S >= 2 the difference from ``baseline`` (the mean of the per-seed
+  differences) comes with a 95% interval over seeds and examples (``evidence.seed_example_interval``): the spread
+  of the S paired differences (Student t, Welch-Satterthwaite degrees of freedom) plus a paired bootstrap over
+  examples (sentences, texts, documents; ``--resamples``, default 1000) for the examples drawn; a ``*`` (the
+  interval excludes zero) then means the difference exceeds what seeds and examples explain. With one seed the
+  interval is the paired bootstrap over examples only, and the table says so: it does not cover training
+  randomness.
+- The yardstick: the baseline again with seeds S+1 ... 2S (same folds and flags), paired with seeds 1 ... S, is a
+  row of the table (``--no_yardstick`` leaves it out). No trick differs there, so its difference is seed noise;
+  under the seed-and-example interval it should not be starred (about 1 ablation in 20 is, by chance).
 
 Writes ``ablation.md`` (the table), ``ablation.png`` (the differences with their intervals) and ``ablation.json``
 (every run, every row).
@@ -43,6 +50,7 @@ from argparse import ArgumentTypeError
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import evidence
 import numpy as np
@@ -93,14 +101,24 @@ def default_configurations(recipe: ModuleType) -> dict[str, list[str]]:
     return {**CONFIGURATIONS, **getattr(recipe, "ABLATION_CONFIGURATIONS", {})}
 
 
+def finished_record(run_dir: Path, flags: list[str]) -> dict | None:
+    """The record of a run in ``run_dir`` that finished with ``flags``, or None (never run, failed, other flags)."""
+    record_path = run_dir / "ablation_run.json"
+    if (run_dir / "all_results.json").is_file() and record_path.is_file():
+        record = json.loads(record_path.read_text())
+        if record.get("flags") == flags:
+            return record
+    return None
+
+
 def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
     """Run ``script`` once (unless it finished with these flags); return its results plus time and memory."""
     results_path = run_dir / "all_results.json"
     record_path = run_dir / "ablation_run.json"
+    record = finished_record(run_dir, flags)
+    if record is not None:
+        return record
     if results_path.is_file() and record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record.get("flags") == flags:
-            return record
         print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     # The runner owns run_dir: what an earlier attempt left there (other flags, a crash) is replaced.
@@ -144,15 +162,29 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 # ---- Tables ---------------------------------------------------------------------------------------------------------
 
 
+INTERVAL_LINES = {
+    "seeds and examples": "95% interval over seeds and examples (the spread of the per-seed paired differences, "
+    "Student t, plus a paired bootstrap over examples): * where it excludes 0, a difference beyond seed noise",
+    "examples only": "95% paired-bootstrap interval over examples only (one seed: it does not cover training "
+    "randomness)",
+}
+
+
+def interval_method(seeds: int) -> str:
+    """The interval the table uses: over seeds and examples from two seeds on, over examples with one."""
+    return "seeds and examples" if seeds > 1 else "examples only"
+
+
 def summarize(
     runs: dict, task: str, metric: str, lrs: list[str], resamples: int = 1000, reference: str = "baseline"
 ) -> list[dict]:
-    """One row per configuration (and trivial baseline).
+    """One row per configuration (and trivial baseline, and the yardstick).
 
     ``runs[config][lr][seed][fold]`` is a run record. Per fold, the learning rate with the best validation metric
     (mean over seeds) is chosen; the test predictions of the folds are pooled per seed; the row holds the pooled
     metric (mean ± std over seeds) at the first and at the chosen learning rate, the difference from ``reference``
-    with its paired-bootstrap interval, and the cost relative to it.
+    with its interval (:func:`interval_method`; seeds paired in sorted order: the i-th seed of a configuration with
+    the i-th of ``reference``), and the cost relative to it.
     """
     labels = _classification_labels(runs) if task == "classification" else None
     rows_cache: dict[str, np.ndarray] = {}
@@ -166,7 +198,7 @@ def summarize(
         seeds = sorted(next(iter(by_lr.values())))
         return [np.concatenate([example_rows(by_lr[chosen[f]][s][f]) for f in sorted(chosen)]) for s in seeds]
 
-    table, pooled_rows = [], {}
+    table, per_seed_rows = [], {}
     for config, by_lr in runs.items():
         folds = sorted(next(iter(next(iter(by_lr.values())).values())))
         chosen = {}
@@ -179,12 +211,13 @@ def summarize(
         first = lrs[0] if lrs[0] in by_lr else next(iter(by_lr))
         at_first = pooled(by_lr, {f: first for f in folds})
         at_chosen = pooled(by_lr, chosen)
-        pooled_rows[config] = sum(at_chosen)  # the seeds' predictions of an example, counted together
+        per_seed_rows[config] = at_chosen
         records = [r for by_seed in by_lr[first].values() for r in by_seed.values()]
         steps = [r["train_seconds_per_step"] for r in records if r["train_seconds_per_step"]]
         table.append(
             {
                 "configuration": config,
+                "seeds": sorted(next(iter(by_lr.values()))),
                 "same_lr": _mean_std([evidence.corpus_metric(task, metric, r) for r in at_first]),
                 "best": _mean_std([evidence.corpus_metric(task, metric, r) for r in at_chosen]),
                 "best_lr": sorted(set(chosen.values())),
@@ -194,11 +227,23 @@ def summarize(
             }
         )
     base = next((r for r in table if r["configuration"] == reference), table[0])
+    base_rows = per_seed_rows[base["configuration"]]
+    method = interval_method(len(base_rows))
     for row in table:
-        diff, low, high = evidence.paired_bootstrap(
-            task, metric, pooled_rows[base["configuration"]], pooled_rows[row["configuration"]], resamples
-        )
-        row["difference"] = {"value": diff, "low": low, "high": high, "significant": not (low <= 0.0 <= high)}
+        rows = per_seed_rows[row["configuration"]]
+        if len(rows) != len(base_rows):
+            raise ValueError(f"{row['configuration']}: {len(rows)} seeds, the baseline {len(base_rows)}: not paired")
+        if method == "seeds and examples":
+            diff, low, high = evidence.seed_example_interval(task, metric, base_rows, rows, resamples)
+        else:
+            diff, low, high = evidence.paired_bootstrap(task, metric, base_rows[0], rows[0], resamples)
+        row["difference"] = {
+            "value": diff,
+            "low": low,
+            "high": high,
+            "significant": not (low <= 0.0 <= high),
+            "interval": method,
+        }
         row["time_vs_baseline"] = (
             row["seconds_per_step"] / base["seconds_per_step"]
             if row["seconds_per_step"] and base["seconds_per_step"]
@@ -231,8 +276,10 @@ def write_markdown(table: list[dict], metric: str, lrs: list[str], seeds: int, f
     spread = f"mean ± std over {seeds} seeds" if seeds > 1 else "one seed"
     chosen = "chosen lr minus baseline" if sweep else "minus baseline"
     lines = [
-        f"{metric} on {split} ({table[0]['examples']} examples); {spread}. Difference: {chosen}, [95% "
-        "paired-bootstrap interval], * where it excludes 0. Time and memory at the first lr.",
+        f"{metric} on {split} ({table[0]['examples']} examples); {spread}. Difference: {chosen} (seed s paired with "
+        "the baseline's seed s, on the same folds). Time and memory at the first lr.",
+        "",
+        f"Interval: {INTERVAL_LINES[interval_method(seeds)]}.",
         "",
         f"| configuration | {metric} (lr {lrs[0]}) |"
         + (f" {metric} (lr chosen on validation) | chosen lr |" if sweep else "")
@@ -244,10 +291,20 @@ def write_markdown(table: list[dict], metric: str, lrs: list[str], seeds: int, f
         mark = " *" if d["significant"] and r["configuration"] != "baseline" else ""
         t = f"{r['time_vs_baseline']:.2f}x" if r["time_vs_baseline"] else "n/a"
         best = f" {score(r['best'])} | {', '.join(r['best_lr'])} |" if sweep else ""
+        name = r["configuration"]
+        if name == YARDSTICK:
+            name = f"{YARDSTICK}: baseline, seed {', '.join(map(str, r['seeds']))}"
         lines.append(
-            f"| {r['configuration']} | {score(r['same_lr'])} |{best} {d['value']:+.4f} [{d['low']:+.4f}, "
+            f"| {name} | {score(r['same_lr'])} |{best} {d['value']:+.4f} [{d['low']:+.4f}, "
             f"{d['high']:+.4f}]{mark} | {t} | {r['memory_vs_baseline']:.2f}x |"
         )
+    if any(r["configuration"] == YARDSTICK for r in table):
+        lines += [
+            "",
+            f"{YARDSTICK}: the baseline with other seeds (same folds and flags), paired with the baseline's: no trick "
+            "differs, so its difference is what seeds alone do"
+            + (" (with one seed, read every * against it)." if seeds == 1 else "."),
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -276,7 +333,8 @@ def write_plot(table: list[dict], metric: str, path: Path) -> bool:
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_xticks(list(x), [r["configuration"] for r in rows], rotation=25, ha="right")
     ax.set_ylabel(f"{metric} minus baseline")
-    ax.set_title("Difference from the baseline, 95% paired-bootstrap interval (green: excludes 0)", fontsize=9)
+    method = rows[0]["difference"].get("interval", "examples only")
+    ax.set_title(f"Difference from the baseline, 95% interval over {method} (green: excludes 0)", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -285,6 +343,80 @@ def write_plot(table: list[dict], metric: str, path: Path) -> bool:
 
 
 # ---- The runner -----------------------------------------------------------------------------------------------------
+
+
+YARDSTICK = "yardstick"
+
+
+class PlannedRun(NamedTuple):
+    configuration: str
+    lr: str
+    seed: int
+    fold: int | None
+    script: str
+    run_dir: Path
+    flags: list[str]
+
+
+def plan_runs(
+    script: str,
+    configs: dict[str, list[str]],
+    lrs: list[str],
+    seeds: int,
+    folds: int | None,
+    out: Path,
+    recipe_flags: list[str] = (),
+    max_steps: int | None = None,
+    trivial_baselines: list[str] = (),
+    yardstick: bool = True,
+) -> list[PlannedRun]:
+    """Every run of an ablation, nothing started: each configuration (``configs``: name -> recipe flags, the
+    baseline first) at each learning rate, seed 1 ... ``seeds`` and fold, with the same flags but its own; the
+    yardstick (the baseline's flags with seeds ``seeds`` + 1 ... 2 ``seeds``, in the baseline's folder, so a later
+    ablation with more seeds reuses them); the trivial baselines once per fold (deterministic)."""
+    fold_list = list(range(folds)) if folds else [None]
+    plan = []
+
+    def add(configuration: str, config_flags: list[str], seed: int, lr: str, fold: int | None, folder: str) -> None:
+        flags = ["--seed", str(seed), *config_flags, *recipe_flags]
+        if lr != "default":
+            flags += ["--learning_rate", lr]
+        if max_steps is not None:
+            flags += ["--max_steps", str(max_steps)]
+        run_dir = out / folder / f"lr{lr}" / f"seed{seed}"
+        if fold is not None:
+            flags += ["--num_folds", str(folds), "--fold", str(fold)]
+            run_dir = run_dir / f"fold{fold}"
+        plan.append(PlannedRun(configuration, lr, seed, fold, script, run_dir, flags))
+
+    for config, config_flags in configs.items():
+        for lr in lrs:
+            for seed in range(1, seeds + 1):
+                for fold in fold_list:
+                    add(config, config_flags, seed, lr, fold, config)
+    if yardstick:
+        for lr in lrs:
+            for seed in range(seeds + 1, 2 * seeds + 1):
+                for fold in fold_list:
+                    add(YARDSTICK, configs["baseline"], seed, lr, fold, "baseline")
+    for name in trivial_baselines:
+        for fold in fold_list:  # deterministic: one run per fold stands for every seed and lr
+            flags = ["--baseline", name, *recipe_flags]
+            run_dir = out / name
+            if fold is not None:
+                flags += ["--num_folds", str(folds), "--fold", str(fold)]
+                run_dir = run_dir / f"fold{fold}"
+            plan.append(PlannedRun(name, "-", 1, fold, str(BASELINES_SCRIPT), run_dir, flags))
+    return plan
+
+
+def parse_added_configuration(text: str) -> tuple[str, list[str]]:
+    """``NAME=FLAGS`` (``awp_late=--adversarial awp --adv_start_step 36``) -> ``("awp_late", [flags])``."""
+    name, sep, flags = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not flags.split() or "/" in name or name in (YARDSTICK, "baseline"):
+        raise ValueError(f"{text!r}: expected NAME=FLAGS, e.g. 'awp_late=--adversarial awp --adv_start_step 36'")
+    return name, flags.split()
 
 
 def multi_label_requested(flags: list[str]) -> bool:
@@ -307,7 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python recipes/ablation.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--recipe", required=True, help="ner, classification, summarization, or a recipe .py path")
-    parser.add_argument("--seeds", type=int, default=3, help="number of seeds per configuration (1, 2, ...)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="seeds per configuration (1, 2, ...); from 2 on, the intervals cover seeds and examples; with 1, "
+        "examples only",
+    )
     parser.add_argument("--folds", type=int, default=None, help="K-fold cross-validation of single-split data")
     parser.add_argument("--output_dir", required=True, help="where runs, ablation.md and ablation.png go")
     parser.add_argument("--lrs", default=None, help="comma-separated learning rates to sweep, e.g. 3e-5,5e-5,1e-4")
@@ -320,8 +458,24 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated subset of: {', '.join(CONFIGURATIONS)} (and the recipe's own, e.g. summarization: "
         "scheduled_sampling, untied)",
     )
+    parser.add_argument(
+        "--add_configuration",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more configuration, named and with its recipe flags, e.g. 'awp_late=--adversarial awp "
+        "--adv_start_step 36' (repeatable; runs beside --configurations)",
+    )
     parser.add_argument("--no_trivial_baselines", action="store_true", help="leave out the trivial baseline rows")
+    parser.add_argument(
+        "--no_yardstick",
+        action="store_true",
+        help="leave out the yardstick row (the baseline with seeds S+1 ... 2S, paired with seeds 1 ... S)",
+    )
     parser.add_argument("--metric", default=None, help="main metric (default: the recipe's MAIN_METRIC)")
+    parser.add_argument(
+        "--dry_run", action="store_true", help="print the runs still to do and the counts; start nothing"
+    )
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
@@ -351,55 +505,69 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--configurations: unknown {unknown}; choose from {list(configs)}")
         configs = {c: configs[c] for c in wanted}
-    if "baseline" not in configs:
-        configs = {"baseline": CONFIGURATIONS["baseline"], **configs}
+    for text in args.add_configuration:
+        try:
+            name, flags = parse_added_configuration(text)
+        except ValueError as err:
+            parser.error(f"--add_configuration {err}")
+        if name in TRIVIAL_BASELINES.get(task, []):
+            parser.error(f"--add_configuration {text!r}: {name} is the name of a trivial baseline row")
+        configs[name] = flags
+    configs = {"baseline": configs.get("baseline", CONFIGURATIONS["baseline"]), **configs}
     lrs = args.lrs.split(",") if args.lrs else ["default"]
     metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
     out = Path(args.output_dir)
-    folds = list(range(args.folds)) if args.folds else [None]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    jobs = []  # (config, lr, seed, fold, script, run_dir, flags)
-    for config, config_flags in configs.items():
-        for lr in lrs:
-            for seed in range(1, args.seeds + 1):
-                for fold in folds:
-                    flags = ["--seed", str(seed), *config_flags, *recipe_flags]
-                    if lr != "default":
-                        flags += ["--learning_rate", lr]
-                    if args.max_steps is not None:
-                        flags += ["--max_steps", str(args.max_steps)]
-                    run_dir = out / config / f"lr{lr}" / f"seed{seed}"
-                    if fold is not None:
-                        flags += ["--num_folds", str(args.folds), "--fold", str(fold)]
-                        run_dir = run_dir / f"fold{fold}"
-                    jobs.append((config, lr, seed, fold, recipe.__file__, run_dir, flags))
-    if task in TRIVIAL_BASELINES and not args.no_trivial_baselines:
-        for name in TRIVIAL_BASELINES[task]:
-            for fold in folds:  # deterministic: one run per fold stands for every seed and lr
-                flags = ["--baseline", name, *recipe_flags]
-                run_dir = out / name
-                if fold is not None:
-                    flags += ["--num_folds", str(args.folds), "--fold", str(fold)]
-                    run_dir = run_dir / f"fold{fold}"
-                jobs.append((name, "-", 1, fold, str(BASELINES_SCRIPT), run_dir, flags))
-
+    jobs = plan_runs(
+        recipe.__file__,
+        configs,
+        lrs,
+        args.seeds,
+        args.folds,
+        out,
+        recipe_flags,
+        max_steps=args.max_steps,
+        trivial_baselines=[] if args.no_trivial_baselines else TRIVIAL_BASELINES.get(task, []),
+        yardstick=not args.no_yardstick,
+    )
+    if args.dry_run:
+        todo = [job for job in jobs if finished_record(job.run_dir, job.flags) is None]
+        for job in todo:
+            print(" ".join([Path(sys.executable).name, job.script, "--output_dir", str(job.run_dir), *job.flags]))
+        print(f"[ablation] {len(jobs)} runs planned, {len(jobs) - len(todo)} finished, {len(todo)} to run")
+        return 0
     runs: dict = {}
     try:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            records = list(pool.map(lambda job: run_one(job[4], job[5], job[6]), jobs))
+            records = list(pool.map(lambda job: run_one(job.script, job.run_dir, job.flags), jobs))
     except RuntimeError as err:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
-    for (config, lr, seed, fold, *_), record in zip(jobs, records):
-        runs.setdefault(config, {}).setdefault(lr, {}).setdefault(seed, {})[fold] = record
+    for job, record in zip(jobs, records):
+        runs.setdefault(job.configuration, {}).setdefault(job.lr, {}).setdefault(job.seed, {})[job.fold] = record
     for name in TRIVIAL_BASELINES.get(task, []):  # the same predictions for every seed
         if name in runs:
             runs[name]["-"] = {s: runs[name]["-"][1] for s in range(1, args.seeds + 1)}
 
-    table = summarize(runs, task, metric, lrs, args.resamples)
+    try:
+        table = summarize(runs, task, metric, lrs, args.resamples)
+    except ValueError as err:
+        print(f"ablation: {err}", file=sys.stderr)
+        return 1
     (out / "ablation.json").write_text(
-        json.dumps({"metric": metric, "lrs": lrs, "folds": args.folds, "rows": table, "runs": runs}, indent=2)
+        json.dumps(
+            {
+                "metric": metric,
+                "lrs": lrs,
+                "folds": args.folds,
+                "seeds": args.seeds,
+                "interval": interval_method(args.seeds),
+                "rows": table,
+                "runs": runs,
+            },
+            indent=2,
+        )
     )
     write_markdown(table, metric, lrs, args.seeds, args.folds, out / "ablation.md")
     write_plot(table, metric, out / "ablation.png")

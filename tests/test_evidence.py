@@ -1,12 +1,22 @@
 """Evidence machinery against hand-computed cases: k-fold splits, per-example scores, the paired bootstrap (against
-exact enumeration of every resample), and the trivial baselines."""
+exact enumeration of every resample), the interval over seeds and examples (against Student's paired t-interval and
+the bootstrap's closed form, and on synthetic ablations whose answer is known), and the trivial baselines."""
 
 import itertools
 
 import numpy as np
 import pytest
 from baselines import TFIDF_C_GRID, build_gazetteer, lead, tag_with_gazetteer, tfidf_lr, tfidf_lr_tuned
-from evidence import classification_rows, corpus_metric, ner_rows, paired_bootstrap
+from evidence import (
+    classification_rows,
+    corpus_metric,
+    expected_difference,
+    interval_rates,
+    ner_rows,
+    paired_bootstrap,
+    seed_example_interval,
+)
+from scipy import stats
 
 from nlp_tricks.data import kfold_examples
 
@@ -57,6 +67,53 @@ def test_paired_bootstrap_matches_exact_enumeration():
     assert (low, high) == (pytest.approx(low_exact), pytest.approx(high_exact))  # 0 and 1 (P = 8/27, 1/27)
     # Identical systems: a zero difference and a zero-width interval.
     assert paired_bootstrap("classification", "accuracy", rows_a, rows_a, resamples=100) == (0.0, 0.0, 0.0)
+
+
+def _constant_runs(values) -> list[np.ndarray]:
+    """Summarization rows (ROUGE-1/2/L per document) of runs that score ``value`` on each of 50 documents."""
+    return [np.full((50, 3), value) for value in values]
+
+
+def test_seed_example_interval_is_the_paired_t_interval_when_examples_cannot_matter():
+    """Every document of a run scores the same, so no resample of the documents moves a difference: the interval is
+    Student's paired t-interval over the seeds, as scipy computes it."""
+    a = [0.30, 0.34, 0.31, 0.36]
+    b = [0.35, 0.36, 0.37, 0.37]
+    diff, low, high = seed_example_interval("summarization", "rougeL", _constant_runs(a), _constant_runs(b))
+    reference = stats.ttest_rel(b, a).confidence_interval(0.95)
+    assert diff == pytest.approx(np.mean(np.subtract(b, a)))
+    assert (low, high) == (pytest.approx(reference.low), pytest.approx(reference.high))
+
+
+def test_seed_example_interval_is_the_example_bootstrap_when_seeds_cannot_matter():
+    """Every seed gives the same predictions, so only the examples drawn vary: the interval is the paired bootstrap's
+    variance, which for a mean of per-example differences d_i is var(d) / n exactly, times Student's t at the
+    S - 1 = 2 degrees of freedom the example part is given."""
+    rng = np.random.default_rng(0)
+    a, b = rng.uniform(size=(400, 3)), rng.uniform(size=(400, 3)) + 0.05
+    diff, low, high = seed_example_interval("summarization", "rougeL", [a] * 3, [b] * 3, resamples=20000)
+    d = b[:, 2] - a[:, 2]
+    half = stats.t.ppf(0.975, 2) * (d.var() / len(d)) ** 0.5
+    assert diff == pytest.approx(d.mean())
+    # 20,000 resamples estimate the bootstrap's standard deviation within about 1 / sqrt(2 * 20000) = 0.5%.
+    assert high - diff == pytest.approx(half, rel=0.02) and diff - low == pytest.approx(half, rel=0.02)
+    with pytest.raises(ValueError, match="differ in number"):
+        seed_example_interval("summarization", "rougeL", [a] * 3, [b] * 2)
+
+
+def test_seed_noise_is_not_called_significant():
+    """Synthetic ablations (1,000 examples, 3 seeds a system) where the two systems do not differ but each seed
+    shifts a whole run (as the classification yardstick shows real seeds do): the interval over seeds and examples
+    excludes zero in about 5% of them, the example-only interval in far more; a real effect is found."""
+    null = interval_rates(300, 300, rng_seed=1, methods=("examples only", "seeds and examples"), seed_sd=0.1, seeds=3)
+    # 300 simulations: a true rate of 5% is observed in [2.7%, 7.7%] 95% of the time; 12% leaves room.
+    assert null["seeds and examples"]["significant"] <= 0.12
+    assert null["examples only"]["significant"] > 0.30
+    effect = dict(seed_sd=0.1, seeds=3, effect=0.6)
+    assert expected_difference(**effect) == pytest.approx(0.0796, abs=5e-4)  # the accuracy difference to find
+    found = interval_rates(200, 300, rng_seed=2, methods=("seeds and examples",), **effect)
+    assert found["seeds and examples"]["significant"] >= 0.8
+    assert found["seeds and examples"]["misses the truth"] <= 0.12
 
 
 def test_gazetteer_longest_exact_match_by_hand():
