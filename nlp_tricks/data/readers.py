@@ -14,6 +14,7 @@ import math
 import random
 import re
 from collections.abc import Iterable, Sequence
+from decimal import Decimal
 from pathlib import Path
 
 __all__ = [
@@ -401,12 +402,12 @@ def read_table_file(
                         raise DataError(
                             path, ex["line"], f"field {name!r} must be a list of strings or numbers, got {value!r}"
                         )
-                    ex[name] = [str(item) for item in value]
+                    ex[name] = [_scalar_text(item) for item in value]
                     continue
                 if not _is_scalar(value):
                     what = "a string, a number or a list of them" if name in list_fields else "a string or a number"
                     raise DataError(path, ex["line"], f"field {name!r} must be {what}, got {value!r}")
-                ex[name] = str(value)
+                ex[name] = _scalar_text(value)
                 if name in nonempty and not ex[name].strip():
                     raise DataError(path, ex["line"], f"field {name!r} is empty")
         return examples
@@ -415,6 +416,11 @@ def read_table_file(
 
 def _is_scalar(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, str | int | float)
+
+
+def _scalar_text(value) -> str:
+    """A JSON string as it is; a JSON number as the text of its value (``1.0`` is ``"1"``, see canonical_label)."""
+    return value if isinstance(value, str) else canonical_label(value)
 
 
 def read_text_sentences(path: str | Path) -> list[dict]:
@@ -451,57 +457,75 @@ _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
 
 def canonical_label(value) -> str:
-    """A label as the string every spelling of it maps to: numbers compare as numbers, anything else is itself.
+    """A label as the string it is compared, stored and written as: its text, without surrounding whitespace.
 
-    ``1``, ``1.0``, ``"1.0"`` and ``" 1 "`` all become ``"1"``; ``0.5`` becomes ``"0.5"``; ``"pos"`` stays ``"pos"``.
+    Labels keep their identity: ``"01"`` and ``"1"``, ``"1.1"`` and ``"1.10"``, ``"1.0"`` and ``"1"`` are different
+    labels (section codes, zero-padded ids). Only spellings that cannot differ in meaning are merged: surrounding
+    whitespace (``" pos "`` is ``"pos"``), and a number that is not text (a JSON or Hub number) is the text of its
+    value: ``1`` and ``1.0`` are ``"1"`` (JSON has one number type), ``0.5`` is ``"0.5"``, and integers keep every
+    digit (``9007199254740993``).
     """
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
-    text = str(value).strip()
-    if not _NUMBER.fullmatch(text):
-        return str(value)
-    number = float(text)
-    if not math.isfinite(number):
-        return str(value)
-    if number.is_integer():
-        return str(int(number))
-    return repr(number)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return str(value) if isinstance(value, int) else repr(value)
 
 
 def _is_number(label: str) -> bool:
     return _NUMBER.fullmatch(label) is not None
 
 
+def _natural_key(label: str) -> tuple:
+    # Digit runs compare as numbers ("2" before "10", "1.2" before "1.10"); equal numbers by their text ("01" < "1").
+    parts = re.split(r"([0-9]+)", label)
+    return tuple((int(part), part) if i % 2 else part for i, part in enumerate(parts))
+
+
 def label_list(examples: Iterable[dict], key: str) -> list[str]:
     """The labels under ``key`` (a label or a list of tags per example), each once, in :func:`canonical_label` form.
 
-    Numeric labels are sorted as numbers (labels ``0..K-1`` give label ``i`` the id ``i``; ``2`` before ``10``),
-    other label sets as strings.
+    Sorted so that ids follow the numbers in the labels: a set of numbers by value (labels ``0..K-1`` give label
+    ``i`` the id ``i``; ``-1`` before ``0.5`` before ``2`` before ``10``; equal values such as ``1`` and ``1.0`` by
+    their text), any other set with its digit runs compared as numbers (``01``, ``02``, ``10``, ``n/a``; ``class2``
+    before ``class10``; ``B-LOC``, ``I-LOC``, ``O`` as strings).
     """
     labels = set()
     for ex in examples:
         value = ex[key]
         labels.update(canonical_label(v) for v in (value if isinstance(value, list) else [value]))
     if labels and all(_is_number(label) for label in labels):
-        return sorted(labels, key=float)
-    return sorted(labels)
+        return sorted(labels, key=lambda label: (Decimal(label), label))
+    return sorted(labels, key=_natural_key)
 
 
 def check_labels(examples: Iterable[dict], key: str, known: Iterable[str], path: str | Path) -> None:
     """Raise a :class:`DataError` at the first label under ``key`` that is not in ``known`` (the training labels).
 
-    Labels are compared in :func:`canonical_label` form, so ``1`` in a test file matches ``1.0`` in training.
+    Labels are compared in :func:`canonical_label` form (as text): ``1`` in a test file does not match ``1.0`` in
+    training, and the error says which training label has the same value.
     """
     known = list(known)
     canonical = {canonical_label(label) for label in known}
+
+    def refuse(label, line):
+        message = f"label {label!r} does not occur in the training data {known}"
+        text = canonical_label(label)
+        same_value = [k for k in known if _is_number(text) and _is_number(k) and Decimal(k) == Decimal(text)]
+        if same_value:
+            message += f"; labels are compared as text, and training spells this value {same_value[0]!r}"
+        raise DataError(path, line, message)
+
     for ex in examples:
         value = ex[key]
         if isinstance(value, list):
             for tag, line in zip(value, ex.get("tag_lines") or [ex.get("line")] * len(value)):
                 if canonical_label(tag) not in canonical:
-                    raise DataError(path, line, f"label {tag!r} does not occur in the training data {known}")
+                    refuse(tag, line)
         elif canonical_label(value) not in canonical:
-            raise DataError(path, ex.get("line"), f"label {value!r} does not occur in the training data {known}")
+            refuse(value, ex.get("line"))
 
 
 def subtoken_tags(tag: str, n: int) -> list[str]:
