@@ -339,7 +339,10 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (ClassificationDataArguments, ModelArguments, TricksArguments), "classification", RECIPE_DEFAULTS
+        (ClassificationDataArguments, ModelArguments, TricksArguments),
+        "classification",
+        RECIPE_DEFAULTS,
+        description=__doc__,
     )
     set_seed(training_args.seed)
     prepare_output_dir(

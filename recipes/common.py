@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
@@ -87,8 +88,14 @@ class DataArguments:
                 f"num_folds={self.num_folds}, fold={self.fold}: need num_folds >= 2, 0 <= fold < num_folds"
             )
         for f in dataclasses.fields(self):
-            if f.name.startswith("max_") and f.name.endswith("_length") and getattr(self, f.name) < 2:
-                raise ValueError(f"{f.name}={getattr(self, f.name)} is not allowed; it must be >= 2")
+            value = getattr(self, f.name)
+            if f.name.startswith("max_") and f.name.endswith("_length") and value < 2:
+                raise ValueError(f"{f.name}={value} is not allowed; it must be >= 2")
+            # A slice end: -5 would drop the last 5 examples and 0 would leave none (a traceback further on).
+            if f.name.startswith("max_") and f.name.endswith("_samples") and value is not None and value < 1:
+                raise ValueError(
+                    f"{f.name}={value} is not allowed; it must be >= 1 (leave it out to keep every example)"
+                )
         if self.train_file is None and (self.validation_file or self.test_file):
             raise ValueError("validation_file / test_file need a train_file")
 
@@ -128,6 +135,7 @@ def parse_recipe_args(
     defaults: dict | None = None,
     argv: list[str] | None = None,
     dependent_defaults: tuple[str | Callable, dict[str, dict]] | None = None,
+    description: str | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
 
@@ -138,8 +146,10 @@ def parse_recipe_args(
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
     function of the parsed namespace instead (pretraining: whether the demo is used). ``--save_steps N``
-    without ``--save_strategy`` saves every N steps. A value the arguments reject prints one line and exits with
-    status 2, as argparse does.
+    without ``--save_strategy`` saves every N steps. ``--help`` opens with ``description`` (the recipe's docstring up
+    to its "Features:") and lists the flags in groups: data, model (and any other dataclass of the recipe), tricks
+    (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A value the arguments reject prints one line
+    (the error and a pointer to ``--help``, without the usage block) and exits with status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {"output_dir": f"outputs/{recipe}", "report_to": "none", "do_train": True, **(defaults or {})}
@@ -147,9 +157,16 @@ def parse_recipe_args(
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
         defaults.setdefault("use_cpu", True)
-    parser = HfArgumentParser(dataclass_types)
-    parser.prog = f"{recipe}.py"
+    parser = HfArgumentParser(
+        dataclass_types,
+        prog=f"{recipe}.py",
+        usage="%(prog)s [CONFIG.yaml] [--FLAG VALUE ...]",  # argparse's own lists every flag: hundreds of lines
+        description=_description(description),
+        formatter_class=_HelpFormatter,
+    )
     parser.allow_abbrev = False  # `given` below reads the flags as typed
+    _group_arguments(parser, dataclass_types)
+    parser.error = functools.partial(_one_line_error, parser)
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     if "resume_from_checkpoint" in actions:
         actions["resume_from_checkpoint"].help = (
@@ -183,6 +200,65 @@ def parse_recipe_args(
         )
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its command lines stay lines); each flag's help with its default."""
+
+
+def _description(docstring: str | None) -> str | None:
+    """A recipe docstring's opening: what it does and its command lines, up to the "Features:" list."""
+    if not docstring:
+        return None
+    return docstring.split("\nFeatures:")[0].strip()
+
+
+# Titles of the --help groups, by the dataclass a flag comes from (its docstring's first line describes the group).
+_GROUP_TITLES = (("DataArguments", "data"), ("ModelArguments", "model"), ("SelfTrainingArguments", "self-training"))
+
+
+def _group_arguments(parser: argparse.ArgumentParser, dataclass_types: tuple) -> None:
+    """Move every flag from argparse's one flat list into a group per dataclass; the ``TrainingArguments``
+    subclass splits into the tricks (fields it adds, ``TricksArguments``') and the Trainer's own fields."""
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    trainer_fields = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+    actions: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        actions.setdefault(action.dest, []).append(action)
+    for dtype in dataclass_types:
+        names = [f.name for f in dataclasses.fields(dtype) if f.init]
+        if issubclass(dtype, TrainingArguments):
+            groups = [
+                (
+                    "tricks",
+                    "nlp_tricks.TricksArguments: every trick is a flag.",
+                    [n for n in names if n not in trainer_fields],
+                ),
+                (
+                    "Trainer",
+                    "transformers.TrainingArguments, as upstream reads them.",
+                    [n for n in names if n in trainer_fields],
+                ),
+            ]
+        else:
+            bases = [cls.__name__ for cls in dtype.__mro__]
+            title = next((t for name, t in _GROUP_TITLES if name in bases), dtype.__name__.removesuffix("Arguments"))
+            doc = (dtype.__doc__ or "").strip().splitlines()
+            groups = [(title, doc[0] if doc and not doc[0].startswith(dtype.__name__ + "(") else None, names)]
+        for title, text, group_names in groups:
+            group = parser.add_argument_group(title, text)
+            for name in group_names:
+                for action in actions.get(name, []):
+                    for other in parser._action_groups:
+                        if action in other._group_actions:
+                            other._group_actions.remove(action)
+                    group._group_actions.append(action)
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str):
+    """argparse's error without the usage block (hundreds of flags): the error and where to read about the flags."""
+    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
 
 
 def _read_config_file(parser: argparse.ArgumentParser, path: str, actions: dict) -> dict:

@@ -372,7 +372,7 @@ def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (NerDataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS
+        (NerDataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS, description=__doc__
     )
     set_seed(training_args.seed)
     prepare_output_dir(

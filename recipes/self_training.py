@@ -494,6 +494,7 @@ def main() -> None:
         "self_training",
         RECIPE_DEFAULTS,
         dependent_defaults=("task", TASK_DEFAULTS),
+        description=__doc__,
     )
     task = data_args.task
     set_seed(training_args.seed)
