@@ -120,9 +120,34 @@ def test_conll_token_holding_a_space_is_refused(tmp_path):
     )
     path.write_text("I O\nlove O\nNew York B-LOC\n")  # with spaces the extra column gives it away
     assert error_of(read_conll, path) == (
-        f"{path}:3: 3 columns where line 1 has 2; every line of a sentence has the same columns (a token cannot "
-        "hold a space)"
+        f"{path}:3: 3 columns where line 1 has 2; every space-separated line of a sentence has the same columns (a "
+        "token cannot hold a space)"
     )
+
+
+def test_tab_separated_conll_is_token_first_tag_last_whatever_the_columns_between(tmp_path):
+    path = tmp_path / "train.tsv"
+    # Optional reading / feature columns (Japanese corpora, CoNLL-U-like extras): the count changes per line.
+    path.write_text(
+        "東京\tトウキョウ\tNOUN\tB-LOC\n"
+        "に\tO\n"
+        "10\u00a0000\tNUM\tO\n"  # a no-break space is part of the token between tabs
+        "行く\tイク\tVERB\tfeat=1\tO\n"
+        "\n"
+        "John\tB-PER\n"
+    )
+    assert [(ex["tokens"], ex["ner_tags"]) for ex in read_conll(path)] == [
+        (["東京", "に", "10\u00a0000", "行く"], ["B-LOC", "O", "O", "O"]),
+        (["John"], ["B-PER"]),
+    ]
+    # What stays ambiguous is refused: a space-separated line whose count changes, or a space inside a tab column.
+    path.write_text("東京 トウキョウ B-LOC\nに O\n")
+    assert error_of(read_conll, path).startswith(f"{path}:2: 2 columns where line 1 has 3;")
+    path.write_text("東京\tB-LOC\nNew York\tB-LOC\n")
+    assert error_of(read_conll, path).startswith(f"{path}:2: token 'New York' holds a space")
+    # Space-separated lines are compared with the sentence's first space-separated line, not with tab lines.
+    path.write_text("John\tNNP\tB-PER\nlives O\nin O\n\nParis B-LOC\n")
+    assert [ex["tokens"] for ex in read_conll(path)] == [["John", "lives", "in"], ["Paris"]]
 
 
 def test_conll_tag_first_is_refused(tmp_path):

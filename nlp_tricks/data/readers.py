@@ -105,16 +105,18 @@ def read_conll(path: str | Path) -> list[dict]:
     """Read a CoNLL file: token in the first column, tag in the last, a blank line between sentences.
 
     Columns are separated by tabs (when a line has one) or by whitespace, so CoNLL-2003's four columns (token POS
-    chunk NER) work; every line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
+    chunk NER) work. A tab-separated line may have any number of columns between the token and the tag (corpora with
+    optional reading or feature columns), and a no-break space inside one is part of it (``10\u00a0000``); every
+    space-separated line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
     skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a space and does not read
     as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them, CoNLL-U's ``# text = ...``);
     ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the
     last two being the line of the sentence's first token and of each tag (for error messages).
 
     Raises :class:`DataError` (``file:line``) on a token without a tag, a column holding a space (``New York<TAB>
-    B-LOC``: whitespace-separated readers would keep ``New``), a line with more or fewer columns than its sentence's
-    first, a comment line inside a sentence, a tag-first file and a tag column mixing IOB tags with other words
-    (see :func:`check_tag_columns`).
+    B-LOC``: whitespace-separated readers would keep ``New``), a space-separated line with more or fewer columns than
+    its sentence's first (``New York B-LOC`` among ``token tag`` lines), a comment line inside a sentence, a
+    tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
     """
     return _read_conll(path, tagged=True)
 
@@ -124,7 +126,7 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
     are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
 
     The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
-    line with another column count than its sentence's refused.
+    space-separated line with another column count than its sentence's refused.
     """
     return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
 
@@ -139,17 +141,19 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
     widths = {len(columns) for columns in plain}
     tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
 
-    def reads_as_token_line(columns: list[str]) -> bool:
-        if len(columns) not in widths or any(_has_space(column) for column in columns):
+    def reads_as_token_line(columns: list[str], tabbed: bool) -> bool:
+        if (not tabbed and len(columns) not in widths) or any(_has_space(column, tabbed) for column in columns):
             return False
         if not tagged:
             return True
         return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
 
     examples, tokens, tags, tag_lines = [], [], [], []
-    sentence_width = None
+    sentence_width, width_line = None, None  # the column count of the sentence's first space-separated line
 
     def flush():
+        nonlocal sentence_width
+        sentence_width = None
         if tokens:
             examples.append(
                 {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
@@ -161,8 +165,8 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
             flush()
             continue
         number, text = entry
-        columns = _columns(text)
-        if _is_comment_candidate(text) and not reads_as_token_line(columns):
+        columns, tabbed = _columns(text), "\t" in text
+        if _is_comment_candidate(text) and not reads_as_token_line(columns, tabbed):
             if tokens:
                 raise DataError(
                     path,
@@ -172,7 +176,7 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
                 )
             continue
         for k, column in enumerate(columns):
-            if _has_space(column):
+            if _has_space(column, tabbed):
                 what = "token" if k == 0 else "tag" if k == len(columns) - 1 else f"column {k + 1}"
                 raise DataError(
                     path,
@@ -184,14 +188,18 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
             raise DataError(
                 path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
             )
-        if tokens and len(columns) != sentence_width:
-            raise DataError(
-                path,
-                number,
-                f"{len(columns)} columns where line {tag_lines[0]} has {sentence_width}; every line of a sentence has "
-                "the same columns (a token cannot hold a space)",
-            )
-        sentence_width = len(columns)
+        # Tabs make the columns unambiguous (token first, tag last, any number between, as corpora with optional
+        # reading or feature columns write them); with spaces a changing count is a token that holds a space.
+        if not tabbed:
+            if sentence_width is None:
+                sentence_width, width_line = len(columns), number
+            elif len(columns) != sentence_width:
+                raise DataError(
+                    path,
+                    number,
+                    f"{len(columns)} columns where line {width_line} has {sentence_width}; every space-separated line "
+                    "of a sentence has the same columns (a token cannot hold a space)",
+                )
         tokens.append(columns[0])
         tags.append(columns[-1])
         tag_lines.append(number)
@@ -203,7 +211,12 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
     return examples
 
 
-def _has_space(text: str) -> bool:
+def _has_space(text: str, tabbed: bool = False) -> bool:
+    """Whether a column holds whitespace that would split it. Between tabs only the ASCII space counts: a no-break or
+    ideographic space (``10\u00a0000``) is part of the token there, while ``New York`` is what a space-separated line's
+    columns look like to every other reader."""
+    if tabbed:
+        return any(char.isspace() and char.isascii() for char in text)
     return any(char.isspace() for char in text)
 
 
