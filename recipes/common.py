@@ -134,7 +134,7 @@ def parse_recipe_args(
     recipe: str,
     defaults: dict | None = None,
     argv: list[str] | None = None,
-    dependent_defaults: tuple[str | Callable, dict[str, dict]] | None = None,
+    dependent_defaults: tuple[str | Callable, dict] | list[tuple[str | Callable, dict]] | None = None,
     description: str | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
@@ -145,7 +145,8 @@ def parse_recipe_args(
     ``output_dir`` defaults to ``outputs/<recipe>``, ``report_to`` to ``none`` and ``do_train`` to true
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
-    function of the parsed namespace instead (pretraining: whether the demo is used). ``--save_steps N``
+    function of the parsed namespace instead (pretraining: whether the demo is used; NER: whether the model holds a
+    CRF); a list of such pairs applies each. ``--save_steps N``
     without ``--save_strategy`` saves every N steps. ``--help`` opens with ``description`` (the recipe's docstring up
     to its "Features:") and lists the flags in groups: data, model (and any other dataclass of the recipe), tricks
     (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A value the arguments reject prints one line
@@ -186,11 +187,12 @@ def parse_recipe_args(
         if any(arg == option or arg.startswith(option + "=") for arg in argv)
     }
     if dependent_defaults is not None:
-        key, by_value = dependent_defaults
-        value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
-        for name, value in by_value.get(value_of_key, {}).items():
-            if name not in given:
-                setattr(namespace, name, value)
+        pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
+        for key, by_value in pairs:
+            value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
+            for name, value in by_value.get(value_of_key, {}).items():
+                if name not in given:
+                    setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:
@@ -553,6 +555,45 @@ def load_weights(
             trust_remote_code=trust_remote_code,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
+
+
+def model_holds_crf(model_name_or_path: str | None) -> bool:
+    """Whether ``--model_name_or_path`` is a model saved with its CRF (``--crf true``): ``config.crf`` in its folder,
+    or ``crf.*`` weights in a state-dict file. Such a model is only right as a CRF (Viterbi over its emissions)."""
+    if not model_name_or_path or model_name_or_path in DEMO_MODELS:
+        return False
+    if is_state_dict_file(model_name_or_path):
+        try:
+            keys = read_state_dict(model_name_or_path).keys()
+        except Exception:  # an unreadable file is reported, in one line, where the model loads
+            return False
+        return any(key == "crf.transitions" or key.endswith(".crf.transitions") for key in keys)
+    config_file = Path(model_name_or_path) / "config.json"
+    if config_file.is_file():
+        try:
+            return json.loads(config_file.read_text(encoding="utf-8")).get("crf") is True
+        except (OSError, ValueError, AttributeError):
+            return False
+    return False  # a Hub id: load_weights still loads a saved CRF with it (config.crf)
+
+
+def saved_crf_defaults(*model_fields: str) -> tuple[Callable, dict]:
+    """``dependent_defaults`` of the NER recipes: ``--crf true`` unless given when a model they load holds a CRF."""
+    return (
+        lambda namespace: any(model_holds_crf(getattr(namespace, name, None)) for name in model_fields),
+        {True: {"crf": True}},
+    )
+
+
+def check_saved_crf(training_args, model_args) -> None:
+    """A model saved with a CRF used without it (``--crf false`` given) would predict the emissions' argmax: refused
+    in one line. (Without the flag the recipes turn ``--crf`` on for it, see :func:`saved_crf_defaults`.)"""
+    for name in ("model_name_or_path", "student_model_name_or_path"):
+        path = getattr(model_args, name, None)
+        if not training_args.crf and model_holds_crf(path):
+            raise DataError(
+                None, None, f"--{name} {path} was trained with a CRF and predicts with it (Viterbi); drop --crf false"
+            )
 
 
 # ---- Output folder ------------------------------------------------------------------------------------------------

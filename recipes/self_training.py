@@ -70,6 +70,7 @@ from classification import (
 from common import (
     ModelArguments,
     check_label_arguments,
+    check_saved_crf,
     is_main_process,
     labelled_splits,
     load_classifier,
@@ -77,6 +78,7 @@ from common import (
     prepare_output_dir,
     resolve_model_path,
     run_recipe,
+    saved_crf_defaults,
     write_json_atomic,
 )
 from ner import (
@@ -493,10 +495,15 @@ def main() -> None:
         (SelfTrainingDataArguments, SelfTrainingArguments, SelfTrainingModelArguments, TricksArguments),
         "self_training",
         RECIPE_DEFAULTS,
-        dependent_defaults=("task", TASK_DEFAULTS),
+        # A teacher or student trained with --crf stays a CRF.
+        dependent_defaults=[
+            ("task", TASK_DEFAULTS),
+            saved_crf_defaults("model_name_or_path", "student_model_name_or_path"),
+        ],
         description=__doc__,
     )
     task = data_args.task
+    check_saved_crf(training_args, model_args)
     set_seed(training_args.seed)
     out = Path(training_args.output_dir)
     prepare_output_dir(

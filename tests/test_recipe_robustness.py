@@ -91,3 +91,32 @@ def test_sample_counts_must_be_at_least_one(recipe, flag, value, tiny_model, tmp
         f"(see {recipe}.py --help)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_trained_with_a_crf_predicts_with_it_without_the_flag(tiny_model, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from recipe_helpers import TEST_CONLL, TRAIN_CONLL
+
+    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    trained = tmp_path / "trained"
+    assert run_in_process("ner", tiny_args(tiny_model, trained, *files, "--crf", "true"), monkeypatch) == 0
+    # CRF scores that force one tag everywhere (not what the emissions' argmax gives): Viterbi must follow them.
+    weights = load_file(str(trained / "model.safetensors"))
+    forced = json.loads((trained / "config.json").read_text())["label2id"]["B-LOC"]
+    weights["crf.start_transitions"][forced] = 1e3
+    weights["crf.transitions"][:, forced] = 1e3
+    save_file(weights, str(trained / "model.safetensors"), metadata={"format": "pt"})
+
+    again = tmp_path / "again"
+    assert run_in_process("ner", tiny_args(str(trained), again, *files, "--do_train", "false"), monkeypatch) == 0
+    predicted = [line.split("\t")[2] for line in (again / "test_predictions.txt").read_text().splitlines() if line]
+    assert predicted == ["B-LOC"] * len(TEST_CONLL.strip().replace("\n\n", "\n").splitlines())
+
+    args = tiny_args(str(trained), tmp_path / "refused", *files, "--do_train", "false", "--crf", "false")
+    assert run_in_process("ner", args, monkeypatch) == 1
+    assert last_line(capsys) == (
+        f"--model_name_or_path {trained} was trained with a CRF and predicts with it (Viterbi); drop --crf false"
+    )
