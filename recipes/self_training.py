@@ -314,6 +314,7 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
         if split in eval_datasets:
             trainer.compute_metrics = split_metrics[split]
             metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
+    trainer.save_state()  # trainer_state.json with the scores: `nlp-tricks plot` draws each stage
     return trainer.model, trainer.accelerator, metrics
 
 
