@@ -146,8 +146,8 @@ def parse_recipe_args(
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
     function of the parsed namespace instead (pretraining: whether the demo is used; NER: whether the model holds a
-    CRF); a list of such pairs applies each. ``--save_steps N``
-    without ``--save_strategy`` saves every N steps. ``--help`` opens with ``description`` (the recipe's docstring up
+    CRF); a list of such pairs applies each. ``--save_steps N`` without ``--save_strategy`` saves every N steps.
+    ``--help`` opens with ``description`` (the recipe's docstring up
     to its "Features:") and lists the flags in groups: data, model (and any other dataclass of the recipe), tricks
     (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A value the arguments reject prints one line
     (the error and a pointer to ``--help``, without the usage block) and exits with status 2, as argparse does.

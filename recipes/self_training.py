@@ -28,7 +28,8 @@ Features:
 - ``--rounds``: how many teacher -> student rounds.
 - Pseudo-labelling runs batched (``--per_device_eval_batch_size``) under ``torch.no_grad``, split across the
   processes of the job, with a progress bar.
-- Outputs in ``--output_dir`` (default ``outputs/self_training``): ``round_<r>/{teacher,student}`` (models), and
+- Outputs in ``--output_dir`` (default ``outputs/self_training``): ``round_<r>/{teacher,student}`` (models, each
+  with its ``trainer_state.json``: ``nlp-tricks plot OUTPUT_DIR`` draws every stage and the rounds), and
   ``self_training_results.json`` with each round's teacher and student metrics and pseudo-label counts, written
   once at the end; a table is printed. Bad input stops the run before training: one ``file:line: message`` line on
   stderr, exit status 1, no results file.
