@@ -416,14 +416,19 @@ def average_checkpoints(
     config = os.fspath(config)
     if not os.path.isfile(os.path.join(config, "config.json")):
         raise FileNotFoundError(f"config={config!r}: no config.json there")
+    check_same_model([config, *paths])
     model_config = AutoConfig.from_pretrained(config)
     architectures = getattr(model_config, "architectures", None) or []
-    model_cls = getattr(transformers, architectures[0], None) if architectures else None
+    model_cls = getattr(transformers, architectures[0].removesuffix(_CRF_SUFFIX), None) if architectures else None
     if model_cls is None:
         raise ValueError(
             f"{os.path.join(config, 'config.json')}: 'architectures' is {architectures or 'missing'}; it must name a "
             "transformers model class (e.g. ['BertForTokenClassification'])"
         )
+    if getattr(model_config, "crf", False):
+        from .crf import crf_model_class
+
+        model_cls = crf_model_class(model_cls)  # the checkpoints hold crf.* beside the model's weights
     model = model_cls(model_config)
     dtype = getattr(model_config, "dtype", None)
     if isinstance(dtype, str):
@@ -438,6 +443,42 @@ def average_checkpoints(
             shutil.copy2(source, os.path.join(output_dir, name))
     write_averaging_info(output_dir, {"weights": "average", "checkpoints": paths})
     return output_dir
+
+
+# What makes two checkpoints of the same shapes different models: averaging them would mix two label sets or tasks.
+_SAME_MODEL_FIELDS = ("architectures", "model_type", "problem_type", "id2label", "crf")
+# The name nlp_tricks.crf.crf_model_class gives a model class that carries a CRF.
+_CRF_SUFFIX = "WithCRF"
+
+
+def check_same_model(folders: Sequence[str | os.PathLike]) -> None:
+    """Raise ``ValueError`` naming two folders and the field when their ``config.json`` files describe different
+    models: another architecture, problem type (single- / multi-label), label set or label order, or a CRF in one
+    only. Weights of the same shapes would average without error and keep the first one's labels. Folders without a
+    ``config.json`` (state-dict files) are not compared."""
+    seen: list[tuple[str, dict]] = []
+    for folder in dict.fromkeys(os.fspath(f) for f in folders):
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: cannot read it ({err})") from None
+        fields = {name: values.get(name) for name in _SAME_MODEL_FIELDS}
+        fields["crf"] = bool(fields["crf"])
+        if isinstance(fields["architectures"], list):  # a CRF model saved after load_crf_model names its subclass
+            fields["architectures"] = [str(name).removesuffix(_CRF_SUFFIX) for name in fields["architectures"]]
+        if seen:
+            first, first_fields = seen[0]
+            for name in _SAME_MODEL_FIELDS:
+                if fields[name] != first_fields[name]:
+                    raise ValueError(
+                        f"{first} and {folder} are different models: their config.json differ in {name!r} "
+                        f"({first_fields[name]!r} vs {fields[name]!r}); average checkpoints of one model"
+                    )
+        seen.append((folder, fields))
 
 
 def write_averaging_info(output_dir: str | os.PathLike, info: dict) -> None:

@@ -13,9 +13,13 @@ def main(argv: list[str] | None = None) -> int:
         "plot",
         help="draw loss, eval metrics, per-group learning rates and teacher forcing from trainer_state.json",
         description="Draw PNG plots from OUTPUT_DIR/trainer_state.json (or its newest checkpoint's), written next "
-        "to it: loss.png, eval.png, learning_rate.png, teacher_forcing.png.",
+        "to it: loss.png, eval.png (scores; per-entity F1 in its own panel), learning_rate.png, teacher_forcing.png. "
+        "A self-training output_dir gets self_training.png and the plots of each round's teacher and student.",
     )
-    plot.add_argument("output_dir", help="a training output_dir, a checkpoint-N folder or a trainer_state.json")
+    plot.add_argument(
+        "output_dir",
+        help="a training output_dir, a checkpoint-N folder, a trainer_state.json, or a self-training output_dir",
+    )
     average = commands.add_parser(
         "average",
         help="average checkpoints of one model uniformly into a new model folder (safetensors)",

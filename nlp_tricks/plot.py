@@ -3,7 +3,11 @@
     nlp-tricks plot OUTPUT_DIR
 
 Writes ``loss.png``, ``eval.png``, ``learning_rate.png`` and ``teacher_forcing.png`` (each only when the log has
-such values) next to the ``trainer_state.json`` it read. Needs matplotlib (``pip install "nlp-tricks[plot]"``).
+such values) next to the ``trainer_state.json`` it read. ``eval.png`` shows the scores (F1, precision, recall,
+accuracy, ROUGE, ...; never support counts), per-entity F1 of NER runs in a panel of its own, and metrics on another
+scale (``gen_len``) in a third. A self-training output folder gets ``self_training.png`` (teacher and students by
+round, and the pseudo-labels) and the plots of each stage's ``round_<r>/{teacher,student}`` folder. Needs matplotlib
+(``pip install "nlp-tricks[plot]"``).
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["find_trainer_state", "plot_run"]
+__all__ = ["find_trainer_state", "plot_run", "plot_trainer_state", "plot_self_training", "eval_panels"]
 
 _NOT_METRICS = ("runtime", "per_second", "epoch", "step")
+SELF_TRAINING_RESULTS = "self_training_results.json"
+# The per-entity numbers of an NER run (nlp_tricks' recipes: eval_<TYPE>_<name>); `number` is the support count.
+_ENTITY_NAMES = ("precision", "recall", "f1", "number")
 
 
 def find_trainer_state(output_dir: str | Path) -> Path:
@@ -31,21 +38,49 @@ def find_trainer_state(output_dir: str | Path) -> Path:
     for checkpoint in reversed(checkpoints):
         if (checkpoint / "trainer_state.json").is_file():
             return checkpoint / "trainer_state.json"
+    if not output_dir.exists():
+        raise FileNotFoundError(f"{output_dir}: no such file or folder")
     raise FileNotFoundError(f"{output_dir}: no trainer_state.json here or in a checkpoint-N folder")
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
+
+
+def _read_log_history(path: Path) -> list[dict]:
+    state = _read_json(path)
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+        raise ValueError(
+            f"{path}: not a trainer state (no 'log_history' list); give a run's output_dir, a checkpoint-N folder, "
+            f"its trainer_state.json or a self-training output_dir"
+        )
+    return history
+
+
 def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(entry["step"], entry[key]) for entry in log_history if isinstance(entry.get(key), (int, float))]
+    points = [
+        (entry.get("step", 0), entry[key])
+        for entry in log_history
+        if isinstance(entry.get(key), int | float) and not isinstance(entry.get(key), bool)
+    ]
     return [s for s, _ in points], [v for _, v in points]
 
 
-def _figure(title: str, ylabel: str):
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    return plt
+
+
+def _figure(title: str, ylabel: str):
+    fig, ax = _pyplot().subplots(figsize=(7, 4), dpi=110)
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
@@ -54,23 +89,74 @@ def _figure(title: str, ylabel: str):
 
 
 def _save(fig, ax, path: Path, written: list[Path]) -> None:
-    import matplotlib.pyplot as plt
-
     ax.legend(fontsize=8, loc="best")
+    _write(fig, path, written)
+
+
+def _write(fig, path: Path, written: list[Path]) -> None:
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
     written.append(path)
 
 
-def plot_run(output_dir: str | Path) -> list[Path]:
-    """Draw the plots of one run; returns the PNG paths written."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as err:
-        raise ImportError('plotting needs matplotlib: pip install "nlp-tricks[plot]"') from err
-    state_path = find_trainer_state(output_dir)
-    history = json.loads(state_path.read_text())["log_history"]
+def eval_panels(keys) -> dict[str, list[str]]:
+    """The evaluation metrics of a log, by panel: ``scores`` (values in [0, 1]: F1, precision, recall, accuracy,
+    ROUGE, ...), ``entity_f1`` (an NER run's per-entity F1, ``eval_<TYPE>_f1``) and ``other`` (another scale:
+    ``gen_len``, perplexity). Support counts (``eval_<TYPE>_number``), per-entity precision / recall, the loss and
+    the timing numbers are left out. ``keys`` maps each key to its values (or is a set of keys: all go to
+    ``scores``)."""
+    values = keys if isinstance(keys, dict) else dict.fromkeys(keys, [])
+    metrics = sorted(
+        k for k in values if k.startswith("eval_") and k != "eval_loss" and not any(s in k for s in _NOT_METRICS)
+    )
+    entities = {k[len("eval_") : -len("_number")] for k in metrics if k.endswith("_number")}
+    entity_keys = {f"eval_{entity}_{name}" for entity in entities for name in _ENTITY_NAMES}
+    panels = {"scores": [], "entity_f1": [], "other": []}
+    for key in metrics:
+        if key in entity_keys:
+            if key.endswith("_f1"):
+                panels["entity_f1"].append(key)
+        elif all(0.0 <= v <= 1.0 for v in values[key]):
+            panels["scores"].append(key)
+        else:
+            panels["other"].append(key)
+    return panels
+
+
+def _plot_eval(history: list[dict], path: Path, written: list[Path]) -> None:
+    keys = {k for entry in history for k in entry}
+    panels = eval_panels({k: _series(history, k)[1] for k in keys})
+    titles = {
+        "scores": ("Evaluation", "score"),
+        "entity_f1": ("Per-entity F1", "F1"),
+        "other": ("Other evaluation metrics", "value"),
+    }
+    shown = [name for name in titles if panels[name]]
+    if not shown:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 3.2 * len(shown)), dpi=110, sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], shown):
+        title, ylabel = titles[name]
+        for key in panels[name]:
+            label = key.removeprefix("eval_").removesuffix("_f1") if name == "entity_f1" else key
+            ax.plot(*_series(history, key), label=label, marker="o")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if name != "other":
+            ax.set_ylim(-0.02, 1.02)
+        # Beside the axes, so no legend covers a curve however many entity types there are.
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    axes[-1, 0].set_xlabel("optimizer step")
+    _write(fig, path, written)
+
+
+def plot_trainer_state(state_path: str | Path) -> list[Path]:
+    """Draw the plots of one ``trainer_state.json`` next to it; returns the PNG paths written."""
+    state_path = Path(state_path)
+    history = _read_log_history(state_path)
     keys = {k for entry in history for k in entry}
     out, written = state_path.parent, []
 
@@ -81,14 +167,7 @@ def plot_run(output_dir: str | Path) -> list[Path]:
             ax.plot(*_series(history, key), label=key, marker="o" if key == "eval_loss" else None)
         _save(fig, ax, out / "loss.png", written)
 
-    metric_keys = sorted(
-        k for k in keys if k.startswith("eval_") and k != "eval_loss" and not any(s in k for s in _NOT_METRICS)
-    )
-    if metric_keys:
-        fig, ax = _figure("Evaluation", "metric")
-        for key in metric_keys:
-            ax.plot(*_series(history, key), label=key, marker="o")
-        _save(fig, ax, out / "eval.png", written)
+    _plot_eval(history, out / "eval.png", written)
 
     lr_keys = sorted(k for k in keys if k.startswith("lr/")) or (["learning_rate"] if "learning_rate" in keys else [])
     if lr_keys:
@@ -110,3 +189,76 @@ def plot_run(output_dir: str | Path) -> list[Path]:
         ax.set_ylim(-0.05, 1.05)
         _save(fig, ax, out / "teacher_forcing.png", written)
     return written
+
+
+def plot_self_training(results_path: str | Path) -> list[Path]:
+    """Draw ``self_training.png`` next to a ``self_training_results.json``: the scores of round 1's teacher and of
+    each round's student on validation and test, and the pseudo-labels each round kept (share of the unlabelled
+    data, and their accuracy when it was measured)."""
+    results_path = Path(results_path)
+    results = _read_json(results_path)
+    rounds = results.get("rounds") if isinstance(results, dict) else None
+    if not isinstance(rounds, list) or not rounds or not all(isinstance(r, dict) for r in rounds):
+        raise ValueError(f"{results_path}: not a self-training results file (no 'rounds' list)")
+    stages = [("teacher", rounds[0].get("teacher") or {})] + [
+        (f"student {r.get('round', i + 1)}", r.get("student") or {}) for i, r in enumerate(rounds)
+    ]
+    score_keys = [
+        f"{split}_{name}"
+        for split in ("eval", "test")
+        for name in ("f1", "precision", "recall", "accuracy")
+        if any(isinstance(metrics.get(f"{split}_{name}"), int | float) for _, metrics in stages)
+    ]
+    plt = _pyplot()
+    fig, (scores, pseudo) = plt.subplots(2, 1, figsize=(8, 6.4), dpi=110)
+    positions = list(range(len(stages)))
+    for key in score_keys:
+        points = [(i, m[key]) for i, (_, m) in enumerate(stages) if isinstance(m.get(key), int | float)]
+        scores.plot([i for i, _ in points], [v for _, v in points], marker="o", label=key)
+    scores.set_xticks(positions, [name for name, _ in stages])
+    scores.set_title(f"Self-training ({results.get('task', '?')}): round 1's teacher, then each round's student")
+    scores.set_ylabel("score")
+    scores.set_ylim(-0.02, 1.02)
+    scores.grid(alpha=0.3)
+    scores.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+    numbers = [r.get("round", i + 1) for i, r in enumerate(rounds)]
+    pseudo_stats = [r.get("pseudo_labels") or {} for r in rounds]
+    kept = [p.get("kept", 0) / p["unlabeled"] if p.get("unlabeled") else None for p in pseudo_stats]
+    series = {"kept (share of the unlabelled data)": kept}
+    if any(p.get("accuracy_of_kept") is not None for p in pseudo_stats):
+        series["accuracy of the kept pseudo-labels"] = [p.get("accuracy_of_kept") for p in pseudo_stats]
+    if any(p.get("mean_confidence") is not None for p in pseudo_stats):
+        series["mean confidence"] = [p.get("mean_confidence") for p in pseudo_stats]
+    for label, values in series.items():
+        points = [(n, v) for n, v in zip(numbers, values) if v is not None]
+        pseudo.plot([n for n, _ in points], [v for _, v in points], marker="s", label=label)
+    pseudo.set_xticks(numbers, [f"round {n}" for n in numbers])
+    pseudo.set_title("Pseudo-labels")
+    pseudo.set_ylim(-0.02, 1.02)
+    pseudo.grid(alpha=0.3)
+    pseudo.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    written: list[Path] = []
+    _write(fig, results_path.parent / "self_training.png", written)
+    return written
+
+
+def plot_run(output_dir: str | Path) -> list[Path]:
+    """Draw the plots of one run (an output folder, a checkpoint, a ``trainer_state.json``, or a self-training
+    output folder / its ``self_training_results.json``); returns the PNG paths written.
+
+    Raises ``FileNotFoundError`` when there is nothing to read and ``ValueError`` (one line naming the file) for a
+    file that is not a trainer state or self-training results.
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ImportError('plotting needs matplotlib: pip install "nlp-tricks[plot]"') from err
+    path = Path(output_dir)
+    results = path if path.name == SELF_TRAINING_RESULTS else path / SELF_TRAINING_RESULTS
+    if results.is_file():
+        written = plot_self_training(results)
+        for stage in sorted(results.parent.glob("round_*/*/trainer_state.json")):
+            written += plot_trainer_state(stage)
+        return written
+    return plot_trainer_state(find_trainer_state(path))

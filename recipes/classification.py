@@ -17,10 +17,11 @@ Features:
   / ``--test_file`` as CSV or TSV (header row) or JSON lines, with ``--text_column`` / ``--label_column``; or the
   built-in ``demo`` (BBC News, 2,225 articles in 5 classes; ``pip install "nlp-tricks[demo]"``). Data with only a
   training split is split 80/10/10 with ``--split_seed``.
-- Labels are the training data's label values, sorted (numbers as numbers: labels ``0..K-1`` keep their ids, and
-  ``1`` / ``1.0`` are one class); a label in validation / test that training never saw is an error naming its file
-  and line, as is an empty label, a record without the column, an empty file and a file that is not UTF-8. Such
-  errors print one line on stderr and exit with status 1.
+- Labels are the training data's label values as written (``01``, ``1`` and ``1.0`` are three labels; only
+  surrounding whitespace is dropped, and a JSON number is the text of its value), sorted with numbers as numbers
+  (labels ``0..K-1`` keep their ids; see docs/recipes.md#labels); a label in validation / test that training never
+  saw is an error naming its file and line, as is an empty label, a record without the column, an empty file and a
+  file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
 - Sentence pairs (NLI, paraphrase): ``--text_pair_column`` names the second text; each pair is tokenized together
   (``tokenizer(text, text_pair)``: one sequence with both segments, truncated longest first).
 - Multi-label: ``--multi_label true`` reads each label as a set (a JSON list, or a ``--label_delimiter``-separated
@@ -183,7 +184,7 @@ def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
         return ex
 
     def label_of(value, source, line):
-        # Numbers are one label however they are spelled (1, 1.0, "1.0"): see nlp_tricks.data.canonical_label.
+        # A label is its text ("01" is not "1"): see nlp_tricks.data.canonical_label for what is merged.
         if multi_label:
             return sorted({canonical_label(v) for v in label_set(value, data.label_delimiter, source, line)})
         return canonical_label(value)
@@ -349,7 +350,10 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (ClassificationDataArguments, ModelArguments, TricksArguments), "classification", RECIPE_DEFAULTS
+        (ClassificationDataArguments, ModelArguments, TricksArguments),
+        "classification",
+        RECIPE_DEFAULTS,
+        description=__doc__,
     )
     set_seed(training_args.seed)
     prepare_output_dir(

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
@@ -95,8 +96,14 @@ class DataArguments:
                 f"num_folds={self.num_folds}, fold={self.fold}: need num_folds >= 2, 0 <= fold < num_folds"
             )
         for f in dataclasses.fields(self):
-            if f.name.startswith("max_") and f.name.endswith("_length") and getattr(self, f.name) < 2:
-                raise ValueError(f"{f.name}={getattr(self, f.name)} is not allowed; it must be >= 2")
+            value = getattr(self, f.name)
+            if f.name.startswith("max_") and f.name.endswith("_length") and value < 2:
+                raise ValueError(f"{f.name}={value} is not allowed; it must be >= 2")
+            # A slice end: -5 would drop the last 5 examples and 0 would leave none (a traceback further on).
+            if f.name.startswith("max_") and f.name.endswith("_samples") and value is not None and value < 1:
+                raise ValueError(
+                    f"{f.name}={value} is not allowed; it must be >= 1 (leave it out to keep every example)"
+                )
         if self.train_file is None and (self.validation_file or self.test_file):
             raise ValueError("validation_file / test_file need a train_file")
 
@@ -150,7 +157,8 @@ def parse_recipe_args(
     recipe: str,
     defaults: dict | None = None,
     argv: list[str] | None = None,
-    dependent_defaults: tuple[str | Callable, dict[str, dict]] | None = None,
+    dependent_defaults: tuple[str | Callable, dict] | list[tuple[str | Callable, dict]] | None = None,
+    description: str | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
 
@@ -160,9 +168,12 @@ def parse_recipe_args(
     ``output_dir`` defaults to ``outputs/<recipe>``, ``report_to`` to ``none`` and ``do_train`` to true
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
-    function of the parsed namespace instead (pretraining: whether the demo is used). ``--save_steps N``
-    without ``--save_strategy`` saves every N steps. A value the arguments reject prints one line and exits with
-    status 2, as argparse does.
+    function of the parsed namespace instead (pretraining: whether the demo is used; NER: whether the model holds a
+    CRF); a list of such pairs applies each. ``--save_steps N`` without ``--save_strategy`` saves every N steps.
+    ``--help`` opens with ``description`` (the recipe's docstring up
+    to its "Features:") and lists the flags in groups: data, model (and any other dataclass of the recipe), tricks
+    (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A value the arguments reject prints one line
+    (the error and a pointer to ``--help``, without the usage block) and exits with status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {
@@ -176,9 +187,16 @@ def parse_recipe_args(
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
         defaults.setdefault("use_cpu", True)
-    parser = HfArgumentParser((*dataclass_types, RunArguments))
-    parser.prog = f"{recipe}.py"
+    parser = HfArgumentParser(
+        (*dataclass_types, RunArguments),
+        prog=f"{recipe}.py",
+        usage="%(prog)s [CONFIG.yaml] [--FLAG VALUE ...]",  # argparse's own lists every flag: hundreds of lines
+        description=_description(description),
+        formatter_class=_HelpFormatter,
+    )
     parser.allow_abbrev = False  # `given` below reads the flags as typed
+    _group_arguments(parser, (*dataclass_types, RunArguments))
+    parser.error = functools.partial(_one_line_error, parser)
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     if "resume_from_checkpoint" in actions:
         actions["resume_from_checkpoint"].help = (
@@ -204,14 +222,15 @@ def parse_recipe_args(
         if any(arg == option or arg.startswith(option + "=") for arg in argv)
     }
     if dependent_defaults is not None:
-        key, by_value = dependent_defaults
-        value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
-        for name, value in by_value.get(value_of_key, {}).items():
-            if name not in given:
-                setattr(namespace, name, value)
+        pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
+        for key, by_value in pairs:
+            value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
+            for name, value in by_value.get(value_of_key, {}).items():
+                if name not in given:
+                    setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
-    try:  # --- Preemption ---
+    try:
         set_time_budget(namespace.max_time)
     except ValueError as err:
         parser.error(f"--max_time: {err}")
@@ -222,6 +241,65 @@ def parse_recipe_args(
         )
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (its command lines stay lines); each flag's help with its default."""
+
+
+def _description(docstring: str | None) -> str | None:
+    """A recipe docstring's opening: what it does and its command lines, up to the "Features:" list."""
+    if not docstring:
+        return None
+    return docstring.split("\nFeatures:")[0].strip()
+
+
+# Titles of the --help groups, by the dataclass a flag comes from (its docstring's first line describes the group).
+_GROUP_TITLES = (("DataArguments", "data"), ("ModelArguments", "model"), ("SelfTrainingArguments", "self-training"))
+
+
+def _group_arguments(parser: argparse.ArgumentParser, dataclass_types: tuple) -> None:
+    """Move every flag from argparse's one flat list into a group per dataclass; the ``TrainingArguments``
+    subclass splits into the tricks (fields it adds, ``TricksArguments``') and the Trainer's own fields."""
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    trainer_fields = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+    actions: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        actions.setdefault(action.dest, []).append(action)
+    for dtype in dataclass_types:
+        names = [f.name for f in dataclasses.fields(dtype) if f.init]
+        if issubclass(dtype, TrainingArguments):
+            groups = [
+                (
+                    "tricks",
+                    "nlp_tricks.TricksArguments: every trick is a flag.",
+                    [n for n in names if n not in trainer_fields],
+                ),
+                (
+                    "Trainer",
+                    "transformers.TrainingArguments, as upstream reads them.",
+                    [n for n in names if n in trainer_fields],
+                ),
+            ]
+        else:
+            bases = [cls.__name__ for cls in dtype.__mro__]
+            title = next((t for name, t in _GROUP_TITLES if name in bases), dtype.__name__.removesuffix("Arguments"))
+            doc = (dtype.__doc__ or "").strip().splitlines()
+            groups = [(title, doc[0] if doc and not doc[0].startswith(dtype.__name__ + "(") else None, names)]
+        for title, text, group_names in groups:
+            group = parser.add_argument_group(title, text)
+            for name in group_names:
+                for action in actions.get(name, []):
+                    for other in parser._action_groups:
+                        if action in other._group_actions:
+                            other._group_actions.remove(action)
+                    group._group_actions.append(action)
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str):
+    """argparse's error without the usage block (hundreds of flags): the error and where to read about the flags."""
+    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
 
 
 def _read_config_file(parser: argparse.ArgumentParser, path: str, actions: dict) -> dict:
@@ -538,6 +616,45 @@ def load_weights(
             trust_remote_code=trust_remote_code,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
+
+
+def model_holds_crf(model_name_or_path: str | None) -> bool:
+    """Whether ``--model_name_or_path`` is a model saved with its CRF (``--crf true``): ``config.crf`` in its folder,
+    or ``crf.*`` weights in a state-dict file. Such a model is only right as a CRF (Viterbi over its emissions)."""
+    if not model_name_or_path or model_name_or_path in DEMO_MODELS:
+        return False
+    if is_state_dict_file(model_name_or_path):
+        try:
+            keys = read_state_dict(model_name_or_path).keys()
+        except Exception:  # an unreadable file is reported, in one line, where the model loads
+            return False
+        return any(key == "crf.transitions" or key.endswith(".crf.transitions") for key in keys)
+    config_file = Path(model_name_or_path) / "config.json"
+    if config_file.is_file():
+        try:
+            return json.loads(config_file.read_text(encoding="utf-8")).get("crf") is True
+        except (OSError, ValueError, AttributeError):
+            return False
+    return False  # a Hub id: load_weights still loads a saved CRF with it (config.crf)
+
+
+def saved_crf_defaults(*model_fields: str) -> tuple[Callable, dict]:
+    """``dependent_defaults`` of the NER recipes: ``--crf true`` unless given when a model they load holds a CRF."""
+    return (
+        lambda namespace: any(model_holds_crf(getattr(namespace, name, None)) for name in model_fields),
+        {True: {"crf": True}},
+    )
+
+
+def check_saved_crf(training_args, model_args) -> None:
+    """A model saved with a CRF used without it (``--crf false`` given) would predict the emissions' argmax: refused
+    in one line. (Without the flag the recipes turn ``--crf`` on for it, see :func:`saved_crf_defaults`.)"""
+    for name in ("model_name_or_path", "student_model_name_or_path"):
+        path = getattr(model_args, name, None)
+        if not training_args.crf and model_holds_crf(path):
+            raise DataError(
+                None, None, f"--{name} {path} was trained with a CRF and predicts with it (Viterbi); drop --crf false"
+            )
 
 
 # ---- Output folder ------------------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ Features:
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
 - ``--crf true``: a CRF over the word-level logits (docs/heads.md); metrics and ``test_predictions.txt`` come from
-  its Viterbi paths, and the saved model carries it (``--model_name_or_path outputs/ner`` loads it back).
+  its Viterbi paths, and the saved model carries it: ``--model_name_or_path outputs/ner`` loads it back and
+  predicts with it, ``--crf true`` given or not (``--crf false`` with such a model is a one-line error).
   ``--crf_bio_constraints true`` needs BIO (IOB2) training tags: an ``I-`` tag that opens an entity is a
   ``file:line`` error. ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
   labels; ``--class_weights 1 3 ...`` gives one weight per tag (in the label order the error message lists).
@@ -64,6 +65,7 @@ from common import (
     DataArguments,
     ModelArguments,
     check_label_arguments,
+    check_saved_crf,
     data_record,
     labelled_splits,
     load_classifier,
@@ -74,6 +76,7 @@ from common import (
     refusals_of_the_model,
     resume_argument,
     run_recipe,
+    saved_crf_defaults,
     train_evaluate_predict,
     warn,
 )
@@ -376,8 +379,13 @@ def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str
 
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (NerDataArguments, ModelArguments, TricksArguments), "ner", RECIPE_DEFAULTS
+        (NerDataArguments, ModelArguments, TricksArguments),
+        "ner",
+        RECIPE_DEFAULTS,
+        dependent_defaults=saved_crf_defaults("model_name_or_path"),  # a model trained with --crf stays a CRF
+        description=__doc__,
     )
+    check_saved_crf(training_args, model_args)
     set_seed(training_args.seed)
     prepare_output_dir(
         training_args.output_dir,

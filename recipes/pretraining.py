@@ -236,6 +236,7 @@ def main() -> None:
         "pretraining",
         RECIPE_DEFAULTS,
         dependent_defaults=(uses_demo, {"demo": DEMO_DEFAULTS}),
+        description=__doc__,
     )
     # The collator needs the blocks' word_ids (the Trainer would drop them), and evaluation is the loss alone.
     training_args.remove_unused_columns = False

@@ -28,7 +28,8 @@ Features:
 - ``--rounds``: how many teacher -> student rounds.
 - Pseudo-labelling runs batched (``--per_device_eval_batch_size``) under ``torch.no_grad``, split across the
   processes of the job, with a progress bar.
-- Outputs in ``--output_dir`` (default ``outputs/self_training``): ``round_<r>/{teacher,student}`` (models), and
+- Outputs in ``--output_dir`` (default ``outputs/self_training``): ``round_<r>/{teacher,student}`` (models, each
+  with its ``trainer_state.json``: ``nlp-tricks plot OUTPUT_DIR`` draws every stage and the rounds), and
   ``self_training_results.json`` with each round's teacher and student metrics and pseudo-label counts, written
   once at the end; a table is printed. Bad input stops the run before training: one ``file:line: message`` line on
   stderr, exit status 1, no results file.
@@ -70,6 +71,7 @@ from classification import (
 from common import (
     ModelArguments,
     check_label_arguments,
+    check_saved_crf,
     exit_if_preempted,
     is_main_process,
     labelled_splits,
@@ -78,6 +80,7 @@ from common import (
     prepare_output_dir,
     resolve_model_path,
     run_recipe,
+    saved_crf_defaults,
     write_json_atomic,
 )
 from ner import (
@@ -314,6 +317,7 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
         if split in eval_datasets:
             trainer.compute_metrics = split_metrics[split]
             metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
+    trainer.save_state()  # trainer_state.json with the scores: `nlp-tricks plot` draws each stage
     return trainer.model, trainer.accelerator, metrics
 
 
@@ -495,9 +499,15 @@ def main() -> None:
         (SelfTrainingDataArguments, SelfTrainingArguments, SelfTrainingModelArguments, TricksArguments),
         "self_training",
         RECIPE_DEFAULTS,
-        dependent_defaults=("task", TASK_DEFAULTS),
+        # A teacher or student trained with --crf stays a CRF.
+        dependent_defaults=[
+            ("task", TASK_DEFAULTS),
+            saved_crf_defaults("model_name_or_path", "student_model_name_or_path"),
+        ],
+        description=__doc__,
     )
     task = data_args.task
+    check_saved_crf(training_args, model_args)
     set_seed(training_args.seed)
     out = Path(training_args.output_dir)
     prepare_output_dir(

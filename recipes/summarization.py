@@ -436,6 +436,7 @@ def main() -> None:
         (SummarizationDataArguments, SummarizationModelArguments, Seq2SeqTricksArguments),
         "summarization",
         RECIPE_DEFAULTS,
+        description=__doc__,
     )
     set_seed(training_args.seed)
     prepare_output_dir(

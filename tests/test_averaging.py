@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
     BertForMaskedLM,
+    BertForSequenceClassification,
+    BertForTokenClassification,
     HfArgumentParser,
     Trainer,
     TrainerCallback,
@@ -33,6 +35,7 @@ from nlp_tricks.averaging import (
 )
 from nlp_tricks.checkpoint import CheckpointMismatchError
 from nlp_tricks.cli import main as cli_main
+from nlp_tricks.crf import add_crf, load_crf_model
 from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
 from scripts import resume_run
 from tiny import bert_config, bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
@@ -507,3 +510,71 @@ def test_ner_recipe_runs_the_ablation_rows(configuration, tiny_model, tmp_path, 
     if configuration == "swa":
         assert info["checkpoints"] == ["checkpoint-1", "checkpoint-2"]
     assert json.loads((out / "all_results.json").read_text())["test_f1"] >= 0
+
+
+@pytest.mark.parametrize(
+    "field,first,second",
+    [
+        # Same shapes, other label names (or order): the average would keep the first one's id2label.
+        (
+            "id2label",
+            {},
+            {"id2label": {0: "neg", 1: "pos", 2: "neutral"}, "label2id": {"neg": 0, "pos": 1, "neutral": 2}},
+        ),
+        (
+            "problem_type",
+            {"problem_type": "single_label_classification"},
+            {"problem_type": "multi_label_classification"},
+        ),
+    ],
+)
+def test_checkpoints_of_different_models_are_refused_in_one_line(tmp_path, capsys, field, first, second):
+    for name, overrides in (("a", first), ("b", second)):
+        torch.manual_seed(0)
+        BertForSequenceClassification(bert_config(num_labels=3, **overrides)).save_pretrained(tmp_path / name)
+    a, b = (
+        json.loads((tmp_path / "a" / "config.json").read_text()),
+        json.loads((tmp_path / "b" / "config.json").read_text()),
+    )
+    capsys.readouterr()  # save_pretrained's progress bars
+    assert cli_main(["average", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "o")]) == 1
+    assert capsys.readouterr().err == (
+        f"nlp-tricks average: {tmp_path / 'a'} and {tmp_path / 'b'} are different models: their config.json differ in "
+        f"{field!r} ({a.get(field)!r} vs {b.get(field)!r}); average checkpoints of one model\n"
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoints_of_different_architectures_and_a_crf_in_one_only_are_refused(tmp_path, capsys):
+    torch.manual_seed(0)
+    BertForTokenClassification(bert_config(num_labels=3)).save_pretrained(tmp_path / "tokens")
+    model = BertForTokenClassification(bert_config(num_labels=3))
+    add_crf(model)
+    model.save_pretrained(tmp_path / "crf")
+    BertForMaskedLM(bert_config()).save_pretrained(tmp_path / "mlm")
+    assert cli_main(["average", str(tmp_path / "tokens"), str(tmp_path / "mlm"), "--output", str(tmp_path / "o")]) == 1
+    assert (
+        "differ in 'architectures' (['BertForTokenClassification'] vs ['BertForMaskedLM'])" in capsys.readouterr().err
+    )
+    assert cli_main(["average", str(tmp_path / "tokens"), str(tmp_path / "crf"), "--output", str(tmp_path / "o")]) == 1
+    assert "differ in 'crf' (False vs True)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoints_with_a_crf_average_into_a_crf_model(tmp_path):
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = BertForTokenClassification(bert_config(num_labels=3))
+        add_crf(model)
+        with torch.no_grad():
+            model.crf.transitions.normal_()
+        model.save_pretrained(tmp_path / f"c{seed}")
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    # A CRF model saved again after load_crf_model names its subclass; it is still the same model.
+    load_crf_model(tmp_path / "c2").save_pretrained(tmp_path / "c2")
+    assert cli_main(["average", str(tmp_path / "c1"), str(tmp_path / "c2"), "--output", str(tmp_path / "o")]) == 0
+    averaged = load_crf_model(tmp_path / "o")
+    torch.testing.assert_close(
+        averaged.crf.transitions, (states[0]["crf.transitions"] + states[1]["crf.transitions"]) / 2
+    )

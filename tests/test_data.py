@@ -120,9 +120,34 @@ def test_conll_token_holding_a_space_is_refused(tmp_path):
     )
     path.write_text("I O\nlove O\nNew York B-LOC\n")  # with spaces the extra column gives it away
     assert error_of(read_conll, path) == (
-        f"{path}:3: 3 columns where line 1 has 2; every line of a sentence has the same columns (a token cannot "
-        "hold a space)"
+        f"{path}:3: 3 columns where line 1 has 2; every space-separated line of a sentence has the same columns (a "
+        "token cannot hold a space)"
     )
+
+
+def test_tab_separated_conll_is_token_first_tag_last_whatever_the_columns_between(tmp_path):
+    path = tmp_path / "train.tsv"
+    # Optional reading / feature columns (Japanese corpora, CoNLL-U-like extras): the count changes per line.
+    path.write_text(
+        "東京\tトウキョウ\tNOUN\tB-LOC\n"
+        "に\tO\n"
+        "10\u00a0000\tNUM\tO\n"  # a no-break space is part of the token between tabs
+        "行く\tイク\tVERB\tfeat=1\tO\n"
+        "\n"
+        "John\tB-PER\n"
+    )
+    assert [(ex["tokens"], ex["ner_tags"]) for ex in read_conll(path)] == [
+        (["東京", "に", "10\u00a0000", "行く"], ["B-LOC", "O", "O", "O"]),
+        (["John"], ["B-PER"]),
+    ]
+    # What stays ambiguous is refused: a space-separated line whose count changes, or a space inside a tab column.
+    path.write_text("東京 トウキョウ B-LOC\nに O\n")
+    assert error_of(read_conll, path).startswith(f"{path}:2: 2 columns where line 1 has 3;")
+    path.write_text("東京\tB-LOC\nNew York\tB-LOC\n")
+    assert error_of(read_conll, path).startswith(f"{path}:2: token 'New York' holds a space")
+    # Space-separated lines are compared with the sentence's first space-separated line, not with tab lines.
+    path.write_text("John\tNNP\tB-PER\nlives O\nin O\n\nParis B-LOC\n")
+    assert [ex["tokens"] for ex in read_conll(path)] == [["John", "lives", "in"], ["Paris"]]
 
 
 def test_conll_tag_first_is_refused(tmp_path):
@@ -216,17 +241,43 @@ def test_numeric_labels_keep_their_meaning():
     # Labels 0..K-1 in numeric order: label i gets id i (as strings '10' would sort before '2').
     train = [{"label": str(i)} for i in (2, 10, 0, 1, 3, 4, 5, 6, 7, 8, 9)]
     assert label_list(train, "label") == [str(i) for i in range(11)]
-    # One class however it is spelled: 1 == 1.0 == "1.0"; the test file's "1" is a training label.
-    train = [{"label": "1.0", "line": 2}, {"label": 0, "line": 3}, {"label": "-0.5", "line": 4}]
-    assert label_list(train, "label") == ["-0.5", "0", "1"]
-    check_labels([{"label": "1", "line": 2}, {"label": 0.0, "line": 3}], "label", label_list(train, "label"), "t")
-    with pytest.raises(DataError, match=r"^t:5: label '2'"):
-        check_labels([{"label": "2", "line": 5}], "label", label_list(train, "label"), "t")
-    assert [canonical_label(v) for v in (1, 1.0, "1.0", " 1 ", "1e1", "0.50", "nan", "pos", "01")] == [
-        "1", "1", "1", "1", "10", "0.5", "nan", "pos", "1"
+    # A set of numbers sorts by value, equal values by their text.
+    train = [{"label": v} for v in ("1.0", 0, "-0.5", "1", "1e1")]
+    assert label_list(train, "label") == ["-0.5", "0", "1", "1.0", "1e1"]
+
+
+def test_labels_keep_their_identity():
+    # Section codes, zero-padded ids and integers above 2**53 are labels of their own, spelled as written.
+    codes = [{"label": v} for v in ("2.1", "1.10", "1.1", "1.2")]
+    assert label_list(codes, "label") == ["1.1", "1.10", "1.2", "2.1"]
+    assert label_list([{"label": v} for v in ("01", "1", "001")], "label") == ["001", "01", "1"]
+    big = [{"label": v} for v in ("9007199254740993", "9007199254740992", 9007199254740993)]
+    assert label_list(big, "label") == ["9007199254740992", "9007199254740993"]
+    # A mixed set: digit runs compare as numbers, so weights given in numeric order land on their classes.
+    mixed = [{"label": v} for v in ("n/a", "10", "02", "01", "2")]
+    assert label_list(mixed, "label") == ["01", "02", "2", "10", "n/a"]
+    assert label_list([{"label": v} for v in ("class10", "class2", "O")], "label") == ["O", "class2", "class10"]
+    # Merged: surrounding whitespace, and a (JSON / Hub) number with the text of its value.
+    assert [canonical_label(v) for v in (" pos ", 1, 1.0, 0.5, 9007199254740993, "1.0", "01")] == [
+        "pos", "1", "1", "0.5", "9007199254740993", "1.0", "01"
     ]  # fmt: skip
-    # Mixed sets stay strings (sorted as strings), with numbers still in one spelling.
-    assert label_list([{"label": "pos"}, {"label": "1.0"}, {"label": "1"}], "label") == ["1", "pos"]
+    check_labels([{"label": "1", "line": 2}, {"label": 1.0, "line": 3}], "label", ["0", "1"], "t")
+    with pytest.raises(DataError) as err:
+        check_labels([{"label": "1", "line": 5}], "label", ["0.0", "1.0"], "t")
+    assert str(err.value) == (
+        "t:5: label '1' does not occur in the training data ['0.0', '1.0']; labels are compared as text, and "
+        "training spells this value '1.0'"
+    )
+    with pytest.raises(DataError, match=r"^t:6: label '01' does not occur in the training data \['1', 'x'\]; "):
+        check_labels([{"label": "01", "line": 6}], "label", ["1", "x"], "t")
+
+
+def test_json_numbers_are_the_text_of_their_value(tmp_path):
+    path = tmp_path / "train.jsonl"
+    rows = [{"text": "a", "label": 1.0}, {"text": "b", "label": 9007199254740993}, {"text": "c", "label": ["01", 2]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples = read_table_file(path, ["text", "label"], list_fields=["label"])
+    assert [ex["label"] for ex in examples] == ["1", "9007199254740993", ["01", "2"]]
 
 
 def test_ner_jsonl_integer_tags_with_tag_names(tmp_path):

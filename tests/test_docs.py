@@ -45,3 +45,11 @@ def test_relative_links_resolve(page):
 
 def test_readme_is_a_front_page():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) < 250
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_docs_cite_no_tracker_issue_and_no_test_run_counts(page):
+    """Docs say what is true now: an issue number or a count of passed tests from one run goes stale."""
+    text = page.read_text(encoding="utf-8")
+    stale = re.findall(r"\bissue #?\d+|\bissues? #\d+|\d+ (?:passed|failed|xfailed|skipped)\b|\bxfail", text, re.I)
+    assert not stale, f"{page.name}: {stale}"

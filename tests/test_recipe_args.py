@@ -35,13 +35,17 @@ def test_unknown_config_key_is_reported_first_with_the_closest_name(tmp_path, ca
         parse_recipe_args(NER_TYPES, "ner", argv=[str(config)])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith(f"{config}: unknown key 'learnig_rate'; did you mean 'learning_rate'?"), err
+    assert err.endswith(f"{config}: unknown key 'learnig_rate'; did you mean 'learning_rate'? (see ner.py --help)"), (
+        err
+    )
 
 
 def test_missing_config_file_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_recipe_args(NER_TYPES, "ner", argv=[str(tmp_path / "nope.yaml")])
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("nope.yaml: no such config file")
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1].endswith("nope.yaml: no such config file (see ner.py --help)")
+    )
 
 
 @pytest.mark.parametrize(

@@ -136,8 +136,8 @@ def test_classification_metrics_are_those_of_the_predictions_file(tiny_model, tm
     from sklearn.metrics import accuracy_score, f1_score
 
     words = "the a cat dog sat ran on mat in paris london".split()
-    # Integer labels 0..10, class 1 spelled 1.0 in training: label i must be class i, 1.0 and 1 one class.
-    train = [(" ".join(words[: 2 + i % 5]), "1.0" if i == 1 else str(i)) for i in range(11)] * 2
+    # Integer labels 0..10: label i must be class i (as strings "10" would sort before "2").
+    train = [(" ".join(words[: 2 + i % 5]), str(i)) for i in range(11)] * 2
     test = [("the cat sat on the mat in paris london the dog ran", "1"), ("a dog", "10"), ("the cat ran", "2")]
     for name, rows in (("train.csv", train), ("test.csv", test)):
         with (tmp_path / name).open("w", newline="") as f:

@@ -14,6 +14,7 @@ import math
 import random
 import re
 from collections.abc import Iterable, Sequence
+from decimal import Decimal
 from pathlib import Path
 
 __all__ = [
@@ -104,16 +105,18 @@ def read_conll(path: str | Path) -> list[dict]:
     """Read a CoNLL file: token in the first column, tag in the last, a blank line between sentences.
 
     Columns are separated by tabs (when a line has one) or by whitespace, so CoNLL-2003's four columns (token POS
-    chunk NER) work; every line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
+    chunk NER) work. A tab-separated line may have any number of columns between the token and the tag (corpora with
+    optional reading or feature columns), and a no-break space inside one is part of it (``10\u00a0000``); every
+    space-separated line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
     skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a space and does not read
     as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them, CoNLL-U's ``# text = ...``);
     ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the
     last two being the line of the sentence's first token and of each tag (for error messages).
 
     Raises :class:`DataError` (``file:line``) on a token without a tag, a column holding a space (``New York<TAB>
-    B-LOC``: whitespace-separated readers would keep ``New``), a line with more or fewer columns than its sentence's
-    first, a comment line inside a sentence, a tag-first file and a tag column mixing IOB tags with other words
-    (see :func:`check_tag_columns`).
+    B-LOC``: whitespace-separated readers would keep ``New``), a space-separated line with more or fewer columns than
+    its sentence's first (``New York B-LOC`` among ``token tag`` lines), a comment line inside a sentence, a
+    tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
     """
     return _read_conll(path, tagged=True)
 
@@ -123,7 +126,7 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
     are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
 
     The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
-    line with another column count than its sentence's refused.
+    space-separated line with another column count than its sentence's refused.
     """
     return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
 
@@ -138,17 +141,19 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
     widths = {len(columns) for columns in plain}
     tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
 
-    def reads_as_token_line(columns: list[str]) -> bool:
-        if len(columns) not in widths or any(_has_space(column) for column in columns):
+    def reads_as_token_line(columns: list[str], tabbed: bool) -> bool:
+        if (not tabbed and len(columns) not in widths) or any(_has_space(column, tabbed) for column in columns):
             return False
         if not tagged:
             return True
         return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
 
     examples, tokens, tags, tag_lines = [], [], [], []
-    sentence_width = None
+    sentence_width, width_line = None, None  # the column count of the sentence's first space-separated line
 
     def flush():
+        nonlocal sentence_width
+        sentence_width = None
         if tokens:
             examples.append(
                 {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
@@ -160,8 +165,8 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
             flush()
             continue
         number, text = entry
-        columns = _columns(text)
-        if _is_comment_candidate(text) and not reads_as_token_line(columns):
+        columns, tabbed = _columns(text), "\t" in text
+        if _is_comment_candidate(text) and not reads_as_token_line(columns, tabbed):
             if tokens:
                 raise DataError(
                     path,
@@ -171,7 +176,7 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
                 )
             continue
         for k, column in enumerate(columns):
-            if _has_space(column):
+            if _has_space(column, tabbed):
                 what = "token" if k == 0 else "tag" if k == len(columns) - 1 else f"column {k + 1}"
                 raise DataError(
                     path,
@@ -183,14 +188,18 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
             raise DataError(
                 path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
             )
-        if tokens and len(columns) != sentence_width:
-            raise DataError(
-                path,
-                number,
-                f"{len(columns)} columns where line {tag_lines[0]} has {sentence_width}; every line of a sentence has "
-                "the same columns (a token cannot hold a space)",
-            )
-        sentence_width = len(columns)
+        # Tabs make the columns unambiguous (token first, tag last, any number between, as corpora with optional
+        # reading or feature columns write them); with spaces a changing count is a token that holds a space.
+        if not tabbed:
+            if sentence_width is None:
+                sentence_width, width_line = len(columns), number
+            elif len(columns) != sentence_width:
+                raise DataError(
+                    path,
+                    number,
+                    f"{len(columns)} columns where line {width_line} has {sentence_width}; every space-separated line "
+                    "of a sentence has the same columns (a token cannot hold a space)",
+                )
         tokens.append(columns[0])
         tags.append(columns[-1])
         tag_lines.append(number)
@@ -202,7 +211,12 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
     return examples
 
 
-def _has_space(text: str) -> bool:
+def _has_space(text: str, tabbed: bool = False) -> bool:
+    """Whether a column holds whitespace that would split it. Between tabs only the ASCII space counts: a no-break or
+    ideographic space (``10\u00a0000``) is part of the token there, while ``New York`` is what a space-separated line's
+    columns look like to every other reader."""
+    if tabbed:
+        return any(char.isspace() and char.isascii() for char in text)
     return any(char.isspace() for char in text)
 
 
@@ -401,12 +415,12 @@ def read_table_file(
                         raise DataError(
                             path, ex["line"], f"field {name!r} must be a list of strings or numbers, got {value!r}"
                         )
-                    ex[name] = [str(item) for item in value]
+                    ex[name] = [_scalar_text(item) for item in value]
                     continue
                 if not _is_scalar(value):
                     what = "a string, a number or a list of them" if name in list_fields else "a string or a number"
                     raise DataError(path, ex["line"], f"field {name!r} must be {what}, got {value!r}")
-                ex[name] = str(value)
+                ex[name] = _scalar_text(value)
                 if name in nonempty and not ex[name].strip():
                     raise DataError(path, ex["line"], f"field {name!r} is empty")
         return examples
@@ -415,6 +429,11 @@ def read_table_file(
 
 def _is_scalar(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, str | int | float)
+
+
+def _scalar_text(value) -> str:
+    """A JSON string as it is; a JSON number as the text of its value (``1.0`` is ``"1"``, see canonical_label)."""
+    return value if isinstance(value, str) else canonical_label(value)
 
 
 def read_text_sentences(path: str | Path) -> list[dict]:
@@ -451,57 +470,75 @@ _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
 
 
 def canonical_label(value) -> str:
-    """A label as the string every spelling of it maps to: numbers compare as numbers, anything else is itself.
+    """A label as the string it is compared, stored and written as: its text, without surrounding whitespace.
 
-    ``1``, ``1.0``, ``"1.0"`` and ``" 1 "`` all become ``"1"``; ``0.5`` becomes ``"0.5"``; ``"pos"`` stays ``"pos"``.
+    Labels keep their identity: ``"01"`` and ``"1"``, ``"1.1"`` and ``"1.10"``, ``"1.0"`` and ``"1"`` are different
+    labels (section codes, zero-padded ids). Only spellings that cannot differ in meaning are merged: surrounding
+    whitespace (``" pos "`` is ``"pos"``), and a number that is not text (a JSON or Hub number) is the text of its
+    value: ``1`` and ``1.0`` are ``"1"`` (JSON has one number type), ``0.5`` is ``"0.5"``, and integers keep every
+    digit (``9007199254740993``).
     """
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
-    text = str(value).strip()
-    if not _NUMBER.fullmatch(text):
-        return str(value)
-    number = float(text)
-    if not math.isfinite(number):
-        return str(value)
-    if number.is_integer():
-        return str(int(number))
-    return repr(number)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return str(value) if isinstance(value, int) else repr(value)
 
 
 def _is_number(label: str) -> bool:
     return _NUMBER.fullmatch(label) is not None
 
 
+def _natural_key(label: str) -> tuple:
+    # Digit runs compare as numbers ("2" before "10", "1.2" before "1.10"); equal numbers by their text ("01" < "1").
+    parts = re.split(r"([0-9]+)", label)
+    return tuple((int(part), part) if i % 2 else part for i, part in enumerate(parts))
+
+
 def label_list(examples: Iterable[dict], key: str) -> list[str]:
     """The labels under ``key`` (a label or a list of tags per example), each once, in :func:`canonical_label` form.
 
-    Numeric labels are sorted as numbers (labels ``0..K-1`` give label ``i`` the id ``i``; ``2`` before ``10``),
-    other label sets as strings.
+    Sorted so that ids follow the numbers in the labels: a set of numbers by value (labels ``0..K-1`` give label
+    ``i`` the id ``i``; ``-1`` before ``0.5`` before ``2`` before ``10``; equal values such as ``1`` and ``1.0`` by
+    their text), any other set with its digit runs compared as numbers (``01``, ``02``, ``10``, ``n/a``; ``class2``
+    before ``class10``; ``B-LOC``, ``I-LOC``, ``O`` as strings).
     """
     labels = set()
     for ex in examples:
         value = ex[key]
         labels.update(canonical_label(v) for v in (value if isinstance(value, list) else [value]))
     if labels and all(_is_number(label) for label in labels):
-        return sorted(labels, key=float)
-    return sorted(labels)
+        return sorted(labels, key=lambda label: (Decimal(label), label))
+    return sorted(labels, key=_natural_key)
 
 
 def check_labels(examples: Iterable[dict], key: str, known: Iterable[str], path: str | Path) -> None:
     """Raise a :class:`DataError` at the first label under ``key`` that is not in ``known`` (the training labels).
 
-    Labels are compared in :func:`canonical_label` form, so ``1`` in a test file matches ``1.0`` in training.
+    Labels are compared in :func:`canonical_label` form (as text): ``1`` in a test file does not match ``1.0`` in
+    training, and the error says which training label has the same value.
     """
     known = list(known)
     canonical = {canonical_label(label) for label in known}
+
+    def refuse(label, line):
+        message = f"label {label!r} does not occur in the training data {known}"
+        text = canonical_label(label)
+        same_value = [k for k in known if _is_number(text) and _is_number(k) and Decimal(k) == Decimal(text)]
+        if same_value:
+            message += f"; labels are compared as text, and training spells this value {same_value[0]!r}"
+        raise DataError(path, line, message)
+
     for ex in examples:
         value = ex[key]
         if isinstance(value, list):
             for tag, line in zip(value, ex.get("tag_lines") or [ex.get("line")] * len(value)):
                 if canonical_label(tag) not in canonical:
-                    raise DataError(path, line, f"label {tag!r} does not occur in the training data {known}")
+                    refuse(tag, line)
         elif canonical_label(value) not in canonical:
-            raise DataError(path, ex.get("line"), f"label {value!r} does not occur in the training data {known}")
+            refuse(value, ex.get("line"))
 
 
 def subtoken_tags(tag: str, n: int) -> list[str]:
