@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
     HfArgumentParser,
+    TrainingArguments,
 )
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
@@ -195,7 +196,10 @@ def parse_recipe_args(
         formatter_class=_HelpFormatter,
     )
     parser.allow_abbrev = False  # `given` below reads the flags as typed
-    _group_arguments(parser, (*dataclass_types, RunArguments))
+    # The run's own flags (--max_time) between the recipe's and the trainer's groups.
+    trainer_types = tuple(t for t in dataclass_types if issubclass(t, TrainingArguments))
+    others = tuple(t for t in dataclass_types if t not in trainer_types)
+    _group_arguments(parser, (*others, RunArguments, *trainer_types))
     parser.error = functools.partial(_one_line_error, parser)
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     if "resume_from_checkpoint" in actions:
