@@ -22,6 +22,8 @@ class SmoothnessRegularization(Trick):
 
     name = "SMART"
     changes_loss = True
+    #: sigma of the random start: the paper's 1e-5 (not a field; a subclass or the instance may change it).
+    noise_std: float = 1e-5
 
     def __init__(self, args):
         self.args = args
@@ -73,6 +75,7 @@ class SmoothnessRegularization(Trick):
                 epsilon=args.smart_epsilon,
                 step_size=args.smart_step_size,
                 steps=args.smart_steps,
+                noise_std=self.noise_std,
                 target=args.adv_target,
             )
         return self.smart
