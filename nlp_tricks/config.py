@@ -203,7 +203,7 @@ class TricksArguments(TrainingArguments):
             "help": "SMART (Jiang et al. 2020) weight lambda_s >= 0; 0 disables it. Adds lambda_s * (KL(p || q) + "
             "KL(q || p)) per counted item to the loss of every training forward, p the softmax at the embedding "
             "output x, q at x + delta, delta found from a N(0, 1e-5^2) start by smart_steps ascent steps on that "
-            "divergence; logs `loss_smart`. Needs no labels beyond the loss's. Paper: 1 to 10."
+            "divergence; logs `loss_smart`. Needs no labels beyond the loss's. Paper: 1, 3 or 5."
         },
     )
     smart_epsilon: float = field(
