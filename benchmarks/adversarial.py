@@ -283,7 +283,8 @@ def make_steps(model, optimizer, inputs):
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
         (loss + smart.loss(lambda: model(**rest).logits, logits, labels)).backward()
 
-    def classic_sam_step():
+    def classic_sam_step():  # the wrapper's README: the first backward, then step(closure)
+        loss_fn().backward()
         classic_sam.step(lambda: loss_fn().backward())
         classic_sam.zero_grad(set_to_none=True)
 
