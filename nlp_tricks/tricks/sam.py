@@ -67,6 +67,9 @@ class SharpnessAwareMinimization(Trick):
             )
         trainer.trick_state.setdefault("sam_skipped", 0)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._kept = []  # a run interrupted inside a step leaves nothing for the next one to replay
+
     def _sam(self, trainer, model: nn.Module) -> SAM:
         """The perturbation over the unwrapped model's trained parameters (rebuilt if the model was replaced or
         parameters were unfrozen)."""
