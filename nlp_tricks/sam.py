@@ -116,14 +116,18 @@ class SAM:
             norm = norm / grad_scale
         if not bool(torch.isfinite(norm) & (norm > 0)):  # one device sync
             return False
-        # e(w) = rho * T^2 g / ||T g||, with g = grad / grad_scale: the scale cancels from g / ||g||.
-        factor = self.rho / (norm * (grad_scale if grad_scale is not None else 1.0))
+        # e(w) = rho * T^2 g / ||T g||, with g = grad / grad_scale: the scale cancels from g / ||g||. A Python
+        # float (the check above synchronised already), so that SAM's step is one fused add per parameter.
+        factor = float(self.rho / (norm * (grad_scale if grad_scale is not None else 1.0)))
         for name, p in pairs:
-            grad = _dense(p.grad).float()
+            grad = _dense(p.grad)
             t = self._scale(name, p)
-            step = grad * factor.to(grad.device) if t is None else grad * t.pow_(2) * factor.to(grad.device)
             self._backups.append((p, p.detach().clone()))
-            p.add_(step.to(p.dtype))  # one parameter's temporary at a time
+            if t is None and grad.dtype == p.dtype:
+                p.add_(grad, alpha=factor)
+            else:  # one parameter's temporary at a time
+                step = grad.float() if t is None else grad.float() * t.pow_(2)
+                p.add_(step.to(p.dtype), alpha=factor)
         for _, p in self.params:
             p.grad = None
         # Inside an enclosing autocast region the low-precision copies of the weights are cached: drop them.
