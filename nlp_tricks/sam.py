@@ -138,7 +138,7 @@ class SAM:
     def restore(self) -> None:
         """Put back the weights :meth:`perturb` moved, bitwise."""
         for p, backup in self._backups:
-            p.copy_(backup)
+            p.data = backup  # the copy becomes the weight again: no second copy (the classic wrapper does the same)
         self._backups = []
         torch.clear_autocast_cache()
 
