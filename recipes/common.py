@@ -492,12 +492,13 @@ def check_label_arguments(training_args, labels: list[str]) -> None:
 
 
 # Names of built-in demo models that --model_name_or_path takes, and the function giving each one's folder.
-DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path}
+DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path, "minilm-demo": demo_model_path}
 
 
 def resolve_model_path(model_name_or_path: str | None) -> str:
     """The model to start from: the given path or hub id, a built-in demo model's folder (``smollm2-demo``:
-    SmolLM2-135M-Instruct, converted on first use), or the demo's MiniLM encoder when none is given."""
+    SmolLM2-135M-Instruct, converted on first use; ``minilm-demo``: the demo's MiniLM encoder), or that MiniLM encoder
+    when none is given."""
     if model_name_or_path in DEMO_MODELS:
         return DEMO_MODELS[model_name_or_path]()
     return model_name_or_path or demo_model_path()
