@@ -1,0 +1,259 @@
+"""Rows, seconds and peak memory of the recipes' data paths against the plain ``datasets`` pipeline, as files grow.
+
+    python benchmarks/data_scale.py                          # 60k / 240k / 480k rows, every task
+    python benchmarks/data_scale.py --rows 60000 --tasks classification
+    python benchmarks/data_scale.py --quick                  # 2k rows: does it run
+
+The data is synthetic, written by this script (seeded): sentences of 8-30 words drawn from a fixed vocabulary of
+English words, so the texts tokenize to about 12-45 WordPiece tokens with the demo's MiniLM tokenizer.
+
+- classification: a CSV ``text,label`` (4 labels), 80/10/10 split by the recipe.
+- ner: a CoNLL file (``word tag``, 6-20 words a sentence, BIO tags of 3 types).
+- summarization: JSON lines ``{"text", "summary"}`` (a 20-60-word document, its first 8-15 words as summary).
+
+Each task's rows, each in its own process, its peak RSS read from ``os.wait4`` (the process and its children):
+
+- ``plain``: ``load_dataset("csv" / "json")`` and a batched ``map`` of the tokenizer with truncation, the
+  pipeline Hugging Face's examples use (``run_classification.py``, ``run_ner.py``, ``run_summarization.py``).
+- ``recipe data``: the recipe's own data preparation (read and check every line, split, labels, tokenize, count what
+  truncation cuts), without a model.
+- ``recipe run``: the whole recipe, ``--max_steps 1`` with 64 evaluation examples (data, model load, one step,
+  evaluation, writing the outputs).
+- ``recipe rerun``: the same run again, its tokenized data now in the ``datasets`` cache.
+
+Every run gets a fresh ``HF_DATASETS_CACHE`` (except the rerun, which reuses the run's), so a first run pays the
+whole cost. ``--threads`` sets ``OMP_NUM_THREADS`` / ``RAYON_NUM_THREADS`` of every child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this be has had not or its "
+    "first new after who they have their two she been one all during time other when into more would there city "
+    "year team game world state school season between later under while second three film people years house since "
+    "group national american war over river league government most where about album series company played music "
+    "system county part only known west north south east york early including well public named club music town "
+    "village family local station university history record several four area party won made number following "
+    "single major court church around final work best original army members united power center field line market"
+).split()
+NER_TYPES = ("PER", "ORG", "LOC")
+MAX_SEQ_LENGTH = 64
+
+
+# ---- Synthetic data -----------------------------------------------------------------------------------------------
+
+
+def sentence(rng: random.Random, low: int, high: int) -> list[str]:
+    return [rng.choice(WORDS) for _ in range(rng.randint(low, high))]
+
+
+def write_classification(path: Path, rows: int) -> None:
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        f.write("text,label\n")
+        for _ in range(rows):
+            f.write(f"{' '.join(sentence(rng, 8, 30))},{rng.choice('abcd')}\n")
+
+
+def write_ner(path: Path, rows: int) -> None:
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(rows):
+            words, k = sentence(rng, 6, 20), 0
+            tags = ["O"] * len(words)
+            while k < len(words):
+                if rng.random() < 0.15:
+                    kind, span = rng.choice(NER_TYPES), rng.randint(1, 3)
+                    for j in range(k, min(k + span, len(words))):
+                        tags[j] = ("B-" if j == k else "I-") + kind
+                    k += span
+                else:
+                    k += 1
+            f.write("".join(f"{w} {t}\n" for w, t in zip(words, tags)) + "\n")
+
+
+def write_summarization(path: Path, rows: int) -> None:
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(rows):
+            words = sentence(rng, 20, 60)
+            summary = words[: rng.randint(8, 15)]
+            f.write(json.dumps({"text": " ".join(words), "summary": " ".join(summary)}) + "\n")
+
+
+WRITERS = {"classification": write_classification, "ner": write_ner, "summarization": write_summarization}
+SUFFIXES = {"classification": ".csv", "ner": ".conll", "summarization": ".jsonl"}
+
+
+# ---- What each child process runs ---------------------------------------------------------------------------------
+
+
+def plain(task: str, path: str) -> None:
+    """Hugging Face's examples' pipeline: ``load_dataset`` of the file and a batched ``map`` of the tokenizer."""
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    from nlp_tricks.data import demo_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    if task == "classification":
+        raw = load_dataset("csv", data_files=path)["train"]
+        raw.map(
+            lambda batch: tokenizer(batch["text"], truncation=True, max_length=MAX_SEQ_LENGTH),
+            batched=True,
+            remove_columns=raw.column_names,
+        )
+    elif task == "summarization":
+        raw = load_dataset("json", data_files=path)["train"]
+
+        def preprocess(batch):
+            inputs = tokenizer(batch["text"], truncation=True, max_length=MAX_SEQ_LENGTH)
+            inputs["labels"] = tokenizer(text_target=batch["summary"], truncation=True, max_length=32)["input_ids"]
+            return inputs
+
+        raw.map(preprocess, batched=True, remove_columns=raw.column_names)
+    else:  # run_ner.py reads CoNLL through a dataset script; its JSON-lines twin is what load_dataset reads
+        raw = load_dataset("json", data_files=path)["train"]
+        label2id = {}
+
+        def preprocess(batch):
+            inputs = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=MAX_SEQ_LENGTH)
+            labels = []
+            for i, tags in enumerate(batch["ner_tags"]):
+                previous, row = None, []
+                for word in inputs.word_ids(batch_index=i):
+                    row.append(-100 if word is None or word == previous else label2id.setdefault(tags[word], 0))
+                    previous = word
+                labels.append(row)
+            inputs["labels"] = labels
+            return inputs
+
+        raw.map(preprocess, batched=True, remove_columns=raw.column_names)
+
+
+def recipe_args(task: str, path: str, out: str) -> list[str]:
+    args = ["--train_file", path, "--output_dir", out, "--max_eval_samples", "64", "--report_to", "none"]
+    if task == "summarization":
+        return args + ["--max_source_length", str(MAX_SEQ_LENGTH), "--max_target_length", "32"]
+    return args + ["--max_seq_length", str(MAX_SEQ_LENGTH)]
+
+
+def recipe_data(task: str, path: str) -> None:
+    """The recipe's data preparation, as its ``main`` runs it, without a model."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import common
+    from transformers import AutoTokenizer
+
+    from nlp_tricks.data import demo_model_path
+
+    module = __import__(task)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    with tempfile.TemporaryDirectory() as out:
+        data_args, *_ = common.parse_recipe_args(
+            module.RECIPE_ARGUMENT_TYPES, task, module.RECIPE_DEFAULTS, recipe_args(task, path, out)
+        )
+        module.prepare_data(data_args, tokenizer)
+
+
+# ---- The parent: run each child, read its peak memory -------------------------------------------------------------
+
+
+def measure(command: list[str], env: dict) -> tuple[float, float, int]:
+    """``(seconds, peak RSS in GB, exit status)`` of ``command`` run as a child process."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    stderr_file = process.stderr
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    error = stderr_file.read().decode(errors="replace")
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        print(f"  {' '.join(command[:4])}... exit {process.returncode}:\n{error[-2000:]}", file=sys.stderr)
+    return seconds, usage.ru_maxrss / 1024**2, process.returncode  # ru_maxrss is in KB on Linux
+
+
+def child_env(cache: Path, threads: int) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'recipes'}",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_CACHE": str(cache),
+        "OMP_NUM_THREADS": str(threads),
+        "RAYON_NUM_THREADS": str(threads),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[60_000, 240_000, 480_000])
+    parser.add_argument("--tasks", nargs="+", default=list(WRITERS), choices=list(WRITERS))
+    parser.add_argument("--variants", nargs="+", default=["plain", "data", "run", "rerun"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="2,000 rows only")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "TASK", "FILE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, task, path = args.child
+        (plain if kind == "plain" else recipe_data)(task, path)
+        return
+    rows_list = [2_000] if args.quick else args.rows
+    print(f"threads {args.threads}; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'task':<15}{'rows':>9}  {'variant':<14}{'seconds':>9}{'peak GB':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for task in args.tasks:
+            for rows in rows_list:
+                data = tmp / f"{task}_{rows}{SUFFIXES[task]}"
+                WRITERS[task](data, rows)
+                if task == "ner" and "plain" in args.variants:
+                    write_ner_jsonl(data, data.with_suffix(".jsonl"))
+                for variant in args.variants:
+                    cache = tmp / f"cache_{task}_{rows}_{'run' if variant == 'rerun' else variant}"
+                    if variant != "rerun":
+                        shutil.rmtree(cache, ignore_errors=True)
+                    out = tmp / f"out_{task}_{rows}"
+                    if variant in ("plain", "data"):
+                        path = data.with_suffix(".jsonl") if (task, variant) == ("ner", "plain") else data
+                        command = [sys.executable, __file__, "--child", variant, task, str(path)]
+                    else:
+                        shutil.rmtree(out, ignore_errors=True)
+                        recipe = str(ROOT / "recipes" / f"{task}.py")
+                        command = [sys.executable, recipe, *recipe_args(task, str(data), str(out)), "--max_steps", "1"]
+                    seconds, peak, status = measure(command, child_env(cache, args.threads))
+                    label = {"plain": "plain", "data": "recipe data", "run": "recipe run", "rerun": "recipe rerun"}
+                    failed = "" if status == 0 else f"  (exit {status})"
+                    print(f"{task:<15}{rows:>9}  {label[variant]:<14}{seconds:>9.1f}{peak:>9.2f}{failed}", flush=True)
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+
+def write_ner_jsonl(conll: Path, out: Path) -> None:
+    """The CoNLL file as JSON lines (``tokens`` / ``ner_tags``), what ``load_dataset("json")`` reads."""
+    with conll.open(encoding="utf-8") as f, out.open("w", encoding="utf-8") as g:
+        tokens, tags = [], []
+        for line in f:
+            if line.strip():
+                word, tag = line.split()
+                tokens.append(word)
+                tags.append(tag)
+            elif tokens:
+                g.write(json.dumps({"tokens": tokens, "ner_tags": tags}) + "\n")
+                tokens, tags = [], []
+
+
+if __name__ == "__main__":
+    main()
