@@ -154,10 +154,11 @@ def recipe_args(task: str, path: str, out: str) -> list[str]:
 def recipe_data(task: str, path: str) -> None:
     """The recipe's data preparation, as its ``main`` runs it, without a model."""
     sys.path.insert(0, str(ROOT / "recipes"))
-    import common
     from transformers import AutoTokenizer
 
     from nlp_tricks.data import demo_model_path
+
+    import common
 
     module = __import__(task)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())

@@ -682,7 +682,8 @@ def train_evaluate_predict(
         trainer.save_model()
         trainer.save_state()
         results.update(train_result.metrics)
-        results["train_samples"] = len(train_dataset)
+        if hasattr(train_dataset, "__len__"):  # a stream (pretraining's --streaming) has no length
+            results["train_samples"] = len(train_dataset)
     if "validation" in eval_datasets:
         if split_metrics and "validation" in split_metrics:
             trainer.compute_metrics = split_metrics["validation"]

@@ -17,6 +17,8 @@ from .demo import (
 from .pretraining import (
     MaskedLMCollator,
     demo_pretraining_texts,
+    iter_pack_documents,
+    iter_text_file,
     pack_documents,
     pack_words,
     read_text_file,
@@ -77,6 +79,8 @@ __all__ = [
     "demo_summarization",
     "demo_model_path",
     "read_text_file",
+    "iter_text_file",
+    "iter_pack_documents",
     "demo_pretraining_texts",
     "pack_words",
     "pack_documents",
