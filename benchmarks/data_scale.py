@@ -9,7 +9,7 @@ English words, so the texts tokenize to about 12-45 WordPiece tokens with the de
 
 - classification: a CSV ``text,label`` (4 labels), 80/10/10 split by the recipe.
 - ner: a CoNLL file (``word tag``, 6-20 words a sentence, BIO tags of 3 types).
-- summarization: JSON lines ``{"text", "summary"}`` (a 20-60-word document, its first 8-15 words as summary).
+- summarization: JSON lines ``{"text", "summary"}`` (a 15-40-word document, its first 5-12 words as summary).
 
 Each task's rows, each in its own process, its peak RSS read from ``os.wait4`` (the process and its children):
 
@@ -21,7 +21,9 @@ Each task's rows, each in its own process, its peak RSS read from ``os.wait4`` (
   evaluation, writing the outputs).
 - ``recipe rerun``: the same run again, its tokenized data now in the ``datasets`` cache.
 
-Every run gets a fresh ``HF_DATASETS_CACHE`` (except the rerun, which reuses the run's), so a first run pays the
+``seconds`` is the child's wall time; ``data s`` the data work alone, timed inside the child after its imports and
+tokenizer load (the recipes import torch and the Trainer, the plain pipeline does not). Every run gets a fresh
+``HF_DATASETS_CACHE`` (except the rerun, which reuses the run's), so a first run pays the
 whole cost. ``--threads`` sets ``OMP_NUM_THREADS`` / ``RAYON_NUM_THREADS`` of every child.
 """
 
@@ -89,8 +91,8 @@ def write_summarization(path: Path, rows: int) -> None:
     rng = random.Random(0)
     with path.open("w", encoding="utf-8") as f:
         for _ in range(rows):
-            words = sentence(rng, 20, 60)
-            summary = words[: rng.randint(8, 15)]
+            words = sentence(rng, 15, 40)
+            summary = words[: rng.randint(5, 12)]
             f.write(json.dumps({"text": " ".join(words), "summary": " ".join(summary)}) + "\n")
 
 
@@ -109,6 +111,7 @@ def plain(task: str, path: str) -> None:
     from nlp_tricks.data import demo_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    start = time.perf_counter()
     if task == "classification":
         raw = load_dataset("csv", data_files=path)["train"]
         raw.map(
@@ -142,6 +145,7 @@ def plain(task: str, path: str) -> None:
             return inputs
 
         raw.map(preprocess, batched=True, remove_columns=raw.column_names)
+    print(f"work {time.perf_counter() - start:.2f}")
 
 
 def recipe_args(task: str, path: str, out: str) -> list[str]:
@@ -166,24 +170,31 @@ def recipe_data(task: str, path: str) -> None:
         data_args, *_ = common.parse_recipe_args(
             module.RECIPE_ARGUMENT_TYPES, task, module.RECIPE_DEFAULTS, recipe_args(task, path, out)
         )
+        start = time.perf_counter()
         module.prepare_data(data_args, tokenizer)
+        print(f"work {time.perf_counter() - start:.2f}")
 
 
 # ---- The parent: run each child, read its peak memory -------------------------------------------------------------
 
 
-def measure(command: list[str], env: dict) -> tuple[float, float, int]:
-    """``(seconds, peak RSS in GB, exit status)`` of ``command`` run as a child process."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-    stderr_file = process.stderr
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    error = stderr_file.read().decode(errors="replace")
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        print(f"  {' '.join(command[:4])}... exit {process.returncode}:\n{error[-2000:]}", file=sys.stderr)
-    return seconds, usage.ru_maxrss / 1024**2, process.returncode  # ru_maxrss is in KB on Linux
+def measure(command: list[str], env: dict) -> tuple[float, float | None, float, int]:
+    """``(seconds, seconds of the data work alone, peak RSS in GB, exit status)`` of ``command`` as a child process
+    (the data work: what a child that prints ``work SECONDS`` timed after its imports and tokenizer load)."""
+    # Files, not pipes: progress bars could fill a pipe and block the child.
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, cwd=ROOT)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        work = [line.split()[1] for line in stdout.read().decode(errors="replace").splitlines() if line[:5] == "work "]
+        if returncode:
+            stderr.seek(0)
+            error = stderr.read().decode(errors="replace")
+            print(f"  {' '.join(command[:4])}... exit {returncode}:\n{error[-2000:]}", file=sys.stderr)
+    return seconds, float(work[-1]) if work else None, usage.ru_maxrss / 1024**2, returncode  # KB on Linux
 
 
 def child_env(cache: Path, threads: int) -> dict:
@@ -213,8 +224,11 @@ def main() -> None:
         (plain if kind == "plain" else recipe_data)(task, path)
         return
     rows_list = [2_000] if args.quick else args.rows
-    print(f"threads {args.threads}; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'task':<15}{'rows':>9}  {'variant':<14}{'seconds':>9}{'peak GB':>9}")
+    print(
+        f"threads {args.threads}; load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
+    print(f"{'task':<15}{'rows':>9}  {'variant':<14}{'seconds':>9}{'data s':>9}{'peak GB':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for task in args.tasks:
@@ -235,10 +249,14 @@ def main() -> None:
                         shutil.rmtree(out, ignore_errors=True)
                         recipe = str(ROOT / "recipes" / f"{task}.py")
                         command = [sys.executable, recipe, *recipe_args(task, str(data), str(out)), "--max_steps", "1"]
-                    seconds, peak, status = measure(command, child_env(cache, args.threads))
+                    seconds, work, peak, status = measure(command, child_env(cache, args.threads))
                     label = {"plain": "plain", "data": "recipe data", "run": "recipe run", "rerun": "recipe rerun"}
                     failed = "" if status == 0 else f"  (exit {status})"
-                    print(f"{task:<15}{rows:>9}  {label[variant]:<14}{seconds:>9.1f}{peak:>9.2f}{failed}", flush=True)
+                    work = "" if work is None else f"{work:.1f}"
+                    print(
+                        f"{task:<15}{rows:>9}  {label[variant]:<14}{seconds:>9.1f}{work:>9}{peak:>9.2f}{failed}",
+                        flush=True,
+                    )
     print(f"load average at end {os.getloadavg()[0]:.1f}")
 
 
