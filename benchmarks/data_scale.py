@@ -20,6 +20,7 @@ Each task's rows, each in its own process, its peak RSS read from ``os.wait4`` (
 - ``recipe run``: the whole recipe, ``--max_steps 1`` with 64 evaluation examples (data, model load, one step,
   evaluation, writing the outputs).
 - ``recipe rerun``: the same run again, its tokenized data now in the ``datasets`` cache.
+- ``data rerun``: the recipe's data preparation again, in the cache of ``recipe data``.
 
 ``seconds`` is the child's wall time; ``data s`` the data work alone, timed inside the child after its imports and
 tokenizer load (the recipes import torch and the Trainer, the plain pipeline does not). Every run gets a fresh
@@ -96,6 +97,14 @@ def write_summarization(path: Path, rows: int) -> None:
             f.write(json.dumps({"text": " ".join(words), "summary": " ".join(summary)}) + "\n")
 
 
+LABELS = {
+    "plain": "plain",
+    "data": "recipe data",
+    "redata": "data rerun",
+    "run": "recipe run",
+    "rerun": "recipe rerun",
+}
+REUSES = {"redata": "data", "rerun": "run"}  # variants that run in another variant's cache
 WRITERS = {"classification": write_classification, "ner": write_ner, "summarization": write_summarization}
 SUFFIXES = {"classification": ".csv", "ner": ".conll", "summarization": ".jsonl"}
 
@@ -214,7 +223,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[60_000, 240_000, 480_000])
     parser.add_argument("--tasks", nargs="+", default=list(WRITERS), choices=list(WRITERS))
-    parser.add_argument("--variants", nargs="+", default=["plain", "data", "run", "rerun"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["plain", "data", "redata", "run", "rerun"], choices=list(LABELS)
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2,000 rows only")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "TASK", "FILE"), help=argparse.SUPPRESS)
@@ -238,19 +249,20 @@ def main() -> None:
                 if task == "ner" and "plain" in args.variants:
                     write_ner_jsonl(data, data.with_suffix(".jsonl"))
                 for variant in args.variants:
-                    cache = tmp / f"cache_{task}_{rows}_{'run' if variant == 'rerun' else variant}"
-                    if variant != "rerun":
+                    cache = tmp / f"cache_{task}_{rows}_{REUSES.get(variant, variant)}"
+                    if variant not in REUSES:
                         shutil.rmtree(cache, ignore_errors=True)
                     out = tmp / f"out_{task}_{rows}"
-                    if variant in ("plain", "data"):
+                    if variant in ("plain", "data", "redata"):
                         path = data.with_suffix(".jsonl") if (task, variant) == ("ner", "plain") else data
-                        command = [sys.executable, __file__, "--child", variant, task, str(path)]
+                        kind = "plain" if variant == "plain" else "data"
+                        command = [sys.executable, __file__, "--child", kind, task, str(path)]
                     else:
                         shutil.rmtree(out, ignore_errors=True)
                         recipe = str(ROOT / "recipes" / f"{task}.py")
                         command = [sys.executable, recipe, *recipe_args(task, str(data), str(out)), "--max_steps", "1"]
                     seconds, work, peak, status = measure(command, child_env(cache, args.threads))
-                    label = {"plain": "plain", "data": "recipe data", "run": "recipe run", "rerun": "recipe rerun"}
+                    label = LABELS
                     failed = "" if status == 0 else f"  (exit {status})"
                     work = "" if work is None else f"{work:.1f}"
                     print(
