@@ -253,8 +253,10 @@ def setup_data(data: SelfTrainingDataArguments) -> dict:
 
 def tokenize(task: str, examples: list[dict], tokenizer, label2id: dict, data: SelfTrainingDataArguments, train: bool):
     if task == "ner":
-        return tokenize_ner(examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train)
-    return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length)
+        return tokenize_ner(
+            examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train, data=data
+        )
+    return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length, data=data)
 
 
 def tokenize_unlabeled(task: str, examples: list[dict], tokenizer, max_seq_length: int):
@@ -370,7 +372,7 @@ def student_dataset(task, tokenizer, labelled, pseudo_ex, pseudo, label2id, data
     """Labelled + pseudo-labelled training examples; with ``soft``, each carries ``teacher_logits``."""
     from datasets import Dataset
 
-    examples = labelled + pseudo_ex
+    examples = [*labelled, *pseudo_ex]  # the labelled examples may be a dataset (Arrow), the pseudo-labelled a list
     dataset = tokenize(task, examples, tokenizer, label2id, data, train=True)
     if not soft:
         return dataset
@@ -438,7 +440,7 @@ def eval_sets(task, data, tokenizer, label2id, data_args) -> dict:
     """The validation / test sets, tokenized for scoring (NER: every word, first sub-tokens carry the labels)."""
     if task == "ner":
         return {
-            split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length)
+            split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length, data_args)
             for split, examples in data["eval"].items()
         }
     return {

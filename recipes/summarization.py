@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Value
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
@@ -83,7 +84,8 @@ from transformers.models.auto.modeling_auto import (
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
-from nlp_tricks.data import DataError, demo_summarization, read_table_file
+from nlp_tricks.data import DataError, arrow_dataset, demo_summarization, file_signature, iter_table_file
+from nlp_tricks.data.arrow import as_dataset, first_rows
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
@@ -95,6 +97,7 @@ from common import (
     load_config_and_tokenizer,
     load_splits,
     load_weights,
+    map_options,
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
@@ -269,15 +272,17 @@ class SummarizationModelArguments(ModelArguments):
             raise ValueError("lora_target_modules: give at least one module name (e.g. q_proj v_proj) or all-linear")
 
 
-def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tuple[list[dict], str]]:
+def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tuple[Dataset, str]]:
     """``{split: (examples, source name for errors)}`` with train, validation and (if any) test; keys text, summary."""
     columns = [data.text_column, data.summary_column]
 
     def read_file(path):
-        return [
-            {"text": ex[data.text_column], "summary": ex[data.summary_column]}
-            for ex in read_table_file(path, columns, nonempty=[data.summary_column])
-        ]
+        def generate():
+            for ex in iter_table_file(path, columns, nonempty=[data.summary_column]):
+                yield {"text": ex[data.text_column], "summary": ex[data.summary_column]}
+
+        features = Features({"text": Value("string"), "summary": Value("string")})
+        return arrow_dataset(generate, features, [file_signature(path), ["summarization", columns]])
 
     def hub_converter(features):
         return lambda row: {"text": row[data.text_column], "summary": row[data.summary_column]}
@@ -367,7 +372,7 @@ def prompt_text(tokenizer, instruction: str, document: str) -> str:
 
 
 def tokenize_prompt_completion(
-    examples: list[dict], tokenizer, data: SummarizationDataArguments, for_generation: bool = False
+    examples, tokenizer, data: SummarizationDataArguments, for_generation: bool = False
 ) -> Dataset:
     """``input_ids`` = prompt + summary + EOS and ``labels`` -100 on the prompt (the loss is on the completion).
 
@@ -377,33 +382,96 @@ def tokenize_prompt_completion(
     ``data.max_target_length`` tokens with the EOS. With ``for_generation`` (evaluation data) each example also has
     ``prompt_length``, from which the collator builds the left-padded generation prompts. (ROUGE compares with the
     whole summary as the data file has it, neither cut nor passed through the tokenizer: the recipe's metrics.)
+
+    ``examples``: a ``datasets.Dataset`` or a list of dicts; tokenized batch by batch with ``Dataset.map``.
     """
+    return _without_counts(_tokenize_prompt_completion(examples, tokenizer, data, for_generation))
+
+
+def _tokenize_prompt_completion(examples, tokenizer, data, for_generation: bool) -> Dataset:
+    """:func:`tokenize_prompt_completion` with the truncation flags of :func:`long_text_flags` in extra columns."""
+    options = {"prefix": data.source_prefix, "instruction": data.instruction}
+    options.update(max_source_length=data.max_source_length, max_target_length=data.max_target_length)
+    return _map(
+        examples, encode_prompt_completion_batch, tokenizer, {**options, "for_generation": for_generation}, data
+    )
+
+
+def encode_prompt_completion_batch(
+    batch: dict,
+    tokenizer,
+    prefix: str,
+    instruction: str,
+    max_source_length: int,
+    max_target_length: int,
+    for_generation: bool,
+) -> dict:
+    """One ``map`` batch of :func:`tokenize_prompt_completion`, with ``document_cut`` / ``summary_cut``."""
     chat = bool(tokenizer.chat_template)
+    documents = [prefix + text for text in batch["text"]]
     prompts = [
-        prompt_text(
-            tokenizer,
-            data.instruction,
-            cut_document(tokenizer, data.source_prefix + ex["text"], data.max_source_length),
-        )
-        for ex in examples
+        prompt_text(tokenizer, instruction, cut_document(tokenizer, document, max_source_length))
+        for document in documents
     ]
     prompt_ids = tokenizer(prompts, add_special_tokens=not chat)["input_ids"]
     # A plain prompt ends in "Summary:"; the summary follows after a space. A chat turn starts on its own line.
     separator = "" if chat else " "
-    summaries = tokenizer([separator + ex["summary"] for ex in examples], add_special_tokens=False)["input_ids"]
+    summaries = tokenizer([separator + summary for summary in batch["summary"]], add_special_tokens=False)["input_ids"]
     columns = {"input_ids": [], "attention_mask": [], "labels": []}
     if for_generation:
         columns["prompt_length"] = []
     for prompt, summary in zip(prompt_ids, summaries):
         if prompt and prompt[-1] == tokenizer.eos_token_id:  # a tokenizer that appends EOS: not inside a prompt
             prompt = prompt[:-1]
-        completion = summary[: data.max_target_length - 1] + [tokenizer.eos_token_id]
+        completion = summary[: max_target_length - 1] + [tokenizer.eos_token_id]
         columns["input_ids"].append(prompt + completion)
         columns["attention_mask"].append([1] * (len(prompt) + len(completion)))
         columns["labels"].append([-100] * len(prompt) + completion)
         if for_generation:
             columns["prompt_length"].append(len(prompt))
-    return Dataset.from_dict(columns)
+    cut = tokenizer(documents, truncation=True, max_length=max_source_length)["input_ids"]
+    targets = tokenizer(text_target=batch["summary"], truncation=True, max_length=max_target_length)["input_ids"]
+    columns["document_cut"] = long_text_flags(tokenizer, documents, cut, max_source_length)
+    columns["summary_cut"] = long_text_flags(tokenizer, batch["summary"], targets, max_target_length, target=True)
+    return columns
+
+
+def long_text_flags(tokenizer, texts: list[str], truncated_ids: list[list[int]], max_length: int, target=False):
+    """Per text, whether it is longer than ``max_length`` tokens (``tokenizer(text)``, or ``text_target``), given its
+    ids truncated to ``max_length``: only a text whose truncated ids fill ``max_length`` is tokenized again, whole."""
+    flags = [False] * len(texts)
+    full = [i for i, ids in enumerate(truncated_ids) if len(ids) >= max_length]
+    if full:
+        chosen = [texts[i] for i in full]
+        inputs = {"text_target": chosen} if target else {"text": chosen}
+        lengths = tokenizer(**inputs, truncation=False, verbose=False, return_length=True)["length"]
+        for i, length in zip(full, lengths):
+            flags[i] = length > max_length
+    return flags
+
+
+def _map(examples, function, tokenizer, options: dict, data) -> Dataset:
+    """``function`` over ``examples`` (a dataset or a list) in batches, the examples' own columns dropped."""
+    dataset = as_dataset(examples)
+    if len(dataset) == 0:
+        return Dataset.from_dict({"input_ids": [], "labels": [], "document_cut": [], "summary_cut": []})
+    return dataset.map(
+        function,
+        fn_kwargs={"tokenizer": tokenizer, **options},
+        remove_columns=dataset.column_names,
+        **map_options(data, "Running tokenizer on dataset"),
+    )
+
+
+def _without_counts(dataset: Dataset) -> Dataset:
+    return dataset.remove_columns(["document_cut", "summary_cut"])
+
+
+def truncation_counts(dataset: Dataset) -> tuple[int, int]:
+    """``(documents, summaries)`` longer than their maximum lengths, of a split tokenized with the flags."""
+    if len(dataset) == 0:
+        return 0, 0
+    return tuple(pc.sum(dataset.data.column(name)).as_py() or 0 for name in ("document_cut", "summary_cut"))
 
 
 class PromptCompletionCollator:
@@ -512,43 +580,49 @@ def check_causal_lm_arguments(training_args) -> None:
         raise DataError(None, None, "--tie_encoder_decoder ties an encoder and a decoder; a causal LM has no encoder")
 
 
-def tokenize(
-    examples: list[dict], tokenizer, data: SummarizationDataArguments, decoder_start: int | None = None
-) -> Dataset:
+def tokenize(examples, tokenizer, data: SummarizationDataArguments, decoder_start: int | None = None) -> Dataset:
     """Token ids of the documents and labels of the summaries. ``decoder_start``: the token the decoder starts from
     ([CLS] for BERT2BERT); a label sequence that begins with it ([CLS] summary [SEP]) loses it, or the decoder would
-    learn to answer [CLS] with [CLS] and greedy generation would repeat it."""
-    encodings = tokenizer(
-        [data.source_prefix + ex["text"] for ex in examples], truncation=True, max_length=data.max_source_length
-    )
-    targets = tokenizer(
-        text_target=[ex["summary"] for ex in examples], truncation=True, max_length=data.max_target_length
-    )["input_ids"]
+    learn to answer [CLS] with [CLS] and greedy generation would repeat it. ``examples``: a ``datasets.Dataset`` or a
+    list of dicts; tokenized batch by batch with ``Dataset.map``."""
+    return _without_counts(_tokenize(examples, tokenizer, data, decoder_start))
+
+
+def _tokenize(examples, tokenizer, data, decoder_start: int | None) -> Dataset:
+    options = {"prefix": data.source_prefix, "decoder_start": decoder_start}
+    options.update(max_source_length=data.max_source_length, max_target_length=data.max_target_length)
+    return _map(examples, encode_seq2seq_batch, tokenizer, options, data)
+
+
+def encode_seq2seq_batch(
+    batch: dict, tokenizer, prefix: str, max_source_length: int, max_target_length: int, decoder_start: int | None
+) -> dict:
+    """One ``map`` batch of :func:`tokenize`, with ``document_cut`` / ``summary_cut`` (:func:`long_text_flags`)."""
+    documents = [prefix + text for text in batch["text"]]
+    encodings = tokenizer(documents, truncation=True, max_length=max_source_length)
+    targets = tokenizer(text_target=batch["summary"], truncation=True, max_length=max_target_length)["input_ids"]
+    document_cut = long_text_flags(tokenizer, documents, encodings["input_ids"], max_source_length)
+    summary_cut = long_text_flags(tokenizer, batch["summary"], targets, max_target_length, target=True)
     if decoder_start is not None:
         targets = [ids[1:] if ids[:1] == [decoder_start] else ids for ids in targets]
-    return Dataset.from_dict({**encodings, "labels": targets})
+    return {**encodings, "labels": targets, "document_cut": document_cut, "summary_cut": summary_cut}
 
 
-def summarization_truncation_record(splits: dict[str, list[dict]], tokenizer, data) -> dict:
+def summarization_truncation_record(counts: dict[str, tuple[int, int, int]], data) -> dict:
     """For ``all_results.json``: per split, the documents longer than ``--max_source_length``
     (``<prefix>_truncated_examples``) and the summaries longer than ``--max_target_length``
-    (``<prefix>_truncated_summaries``: cut for training only; ROUGE uses the full references). A warning for
-    validation / test documents the model sees only in part."""
+    (``<prefix>_truncated_summaries``: cut for training only; ROUGE uses the full references), from ``{split:
+    (long documents, long summaries, examples)}``. A warning for validation / test documents the model sees only in
+    part."""
     record = {}
-    for split, examples in splits.items():
+    for split, (documents, summaries, total) in counts.items():
         prefix = "eval" if split == "validation" else split
-        documents = tokenizer(
-            [data.source_prefix + ex["text"] for ex in examples], truncation=False, verbose=False, return_length=True
-        )["length"]
-        summaries = tokenizer(
-            text_target=[ex["summary"] for ex in examples], truncation=False, verbose=False, return_length=True
-        )["length"]
-        record[f"{prefix}_truncated_examples"] = sum(n > data.max_source_length for n in documents)
-        record[f"{prefix}_truncated_summaries"] = sum(n > data.max_target_length for n in summaries)
-        if record[f"{prefix}_truncated_examples"] and split != "train":
+        record[f"{prefix}_truncated_examples"] = documents
+        record[f"{prefix}_truncated_summaries"] = summaries
+        if documents and split != "train":
             warn(
-                f"{split}: {record[f'{prefix}_truncated_examples']} of {len(examples)} documents are longer than "
-                f"--max_source_length {data.max_source_length} tokens; the model sees their beginning only"
+                f"{split}: {documents} of {total} documents are longer than --max_source_length "
+                f"{data.max_source_length} tokens; the model sees their beginning only"
             )
     return record
 
@@ -592,9 +666,44 @@ def summary_lengths(predictions: np.ndarray, stop_ids: list[int], pad_token_id: 
     return lengths, stopped
 
 
+RECIPE_ARGUMENT_TYPES = (SummarizationDataArguments, SummarizationModelArguments, Seq2SeqTricksArguments)
+
+
+def read_data(data_args: SummarizationDataArguments):
+    """``(splits, train_examples, eval_examples)``: every file read and checked (one ``file:line`` error on bad
+    input), the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
+    splits = load_summarization_splits(data_args)
+    return (
+        splits,
+        first_rows(splits["train"][0], data_args.max_train_samples),
+        eval_splits(splits, data_args.max_eval_samples),
+    )
+
+
+def tokenize_data(data_args, tokenizer, train_examples, eval_examples, causal: bool, decoder_start: int | None):
+    """``(train_dataset, eval_datasets, truncation record)``: every split tokenized (``Dataset.map``, cached), as
+    prompt + completion for a causal LM, as document / summary for a seq2seq model."""
+    datasets, counts = {}, {}
+    for split, examples in {"train": train_examples, **eval_examples}.items():
+        if causal:
+            tokenized = _tokenize_prompt_completion(examples, tokenizer, data_args, for_generation=split != "train")
+        else:
+            tokenized = _tokenize(examples, tokenizer, data_args, decoder_start)
+        datasets[split] = _without_counts(tokenized)
+        counts[split] = (*truncation_counts(tokenized), len(examples))
+    train_dataset = datasets.pop("train")
+    return train_dataset, datasets, summarization_truncation_record(counts, data_args)
+
+
+def prepare_data(data_args: SummarizationDataArguments, tokenizer):
+    """All of the recipe's data work without a model, as for a seq2seq model (benchmarks/data_scale.py times it)."""
+    _, train_examples, eval_examples = read_data(data_args)
+    return tokenize_data(data_args, tokenizer, train_examples, eval_examples, False, tokenizer.cls_token_id)
+
+
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (SummarizationDataArguments, SummarizationModelArguments, Seq2SeqTricksArguments),
+        RECIPE_ARGUMENT_TYPES,
         "summarization",
         RECIPE_DEFAULTS,
         dependent_defaults=(uses_demo_model, {"demo": DEMO_DEFAULTS}),
@@ -609,9 +718,8 @@ def main() -> None:
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_summarization_splits(data_args)
-    train_examples = splits["train"][0][: data_args.max_train_samples]
-    eval_examples = eval_splits(splits, data_args.max_eval_samples)
+    with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
+        splits, train_examples, eval_examples = read_data(data_args)
 
     # ---- Model ----
     model, tokenizer = load_model_and_tokenizer(model_args)
@@ -627,19 +735,14 @@ def main() -> None:
         model = add_lora(model, model_args)
     if causal:
         check_causal_lm_arguments(training_args)
-        train_dataset = tokenize_prompt_completion(train_examples, tokenizer, data_args)
-        eval_datasets = {
-            split: tokenize_prompt_completion(ex, tokenizer, data_args, for_generation=True)
-            for split, ex in eval_examples.items()
-        }
         # The collator reads prompt_length, which the model's forward does not take.
         training_args.remove_unused_columns = False
-    else:
-        # BERT2BERT starts decoding at [CLS], which BERT's tokenizer also puts first in the labels; BART / T5 keep
-        # theirs.
-        start = model.config.decoder_start_token_id if isinstance(model, EncoderDecoderModel) else None
-        train_dataset = tokenize(train_examples, tokenizer, data_args, start)
-        eval_datasets = {split: tokenize(ex, tokenizer, data_args, start) for split, ex in eval_examples.items()}
+    # BERT2BERT starts decoding at [CLS], which BERT's tokenizer also puts first in the labels; BART / T5 keep theirs.
+    start = model.config.decoder_start_token_id if isinstance(model, EncoderDecoderModel) else None
+    with training_args.main_process_first(desc="tokenizing the data"):
+        train_dataset, eval_datasets, truncation = tokenize_data(
+            data_args, tokenizer, train_examples, eval_examples, causal, start
+        )
     if training_args.generation_max_length is None:
         # What the model learnt to write (completion tokens, EOS included); a seq2seq decoder also counts its start.
         lengths = [sum(label != -100 for label in row) + (not causal) for row in train_dataset["labels"]]
@@ -708,7 +811,7 @@ def main() -> None:
     generate = training_args.predict_with_generate
     record = {
         **data_record(splits),
-        **summarization_truncation_record({"train": train_examples, **eval_examples}, tokenizer, data_args),
+        **truncation,
         "generation_max_length": training_args.generation_max_length,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
