@@ -14,6 +14,7 @@ __all__ = [
     "TRAINER_METHODS",
     "TRAINER_ATTRIBUTES",
     "TRAINING_ATTRIBUTES",
+    "TRAINER_ATTRIBUTES_SINCE",
     "accumulation_steps",
     "is_optimizer_factory",
     "prepare_context_parallel_inputs",
@@ -35,13 +36,15 @@ TRAINER_METHODS = (
 )
 # Attributes a built `Trainer` holds (checked on an instance).
 TRAINER_ATTRIBUTES = (
-    "loss_is_scaled_for_ga",
     "model_accepts_loss_kwargs",
     "compute_loss_func",
     "_loss_shifts_labels",
 )
 # Attributes a `Trainer` sets while it trains (checked after one step).
 TRAINING_ATTRIBUTES = ("current_gradient_accumulation_steps",)
+# Attributes of a built `Trainer` that upstream added after our transformers floor, with the release that added each:
+# below it the shim here does what upstream did before (checked on an instance from that release on).
+TRAINER_ATTRIBUTES_SINCE = {"loss_is_scaled_for_ga": "5.19.0"}
 
 
 def prepare_context_parallel_inputs(trainer: Trainer, model, inputs: dict):
@@ -56,9 +59,11 @@ def prepare_inputs(trainer: Trainer, inputs: dict) -> dict:
 
 def loss_is_scaled_for_ga(trainer: Trainer, num_items_in_batch) -> bool:
     """Upstream's rule: the loss is already divided for gradient accumulation when it was normalised by
-    ``num_items_in_batch`` (by the model or ``compute_loss_func``), unless the trainer says otherwise."""
-    if trainer.loss_is_scaled_for_ga is not None:
-        return trainer.loss_is_scaled_for_ga
+    ``num_items_in_batch`` (by the model or ``compute_loss_func``), unless the trainer says otherwise (transformers
+    5.19 added that override; before it the rule alone decided)."""
+    override = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if override is not None:
+        return override
     return (
         trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
     ) or trainer.compute_loss_func is not None
