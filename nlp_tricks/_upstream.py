@@ -25,6 +25,8 @@ __all__ = [
     "loss_shifts_labels",
     "set_loss_shifts_labels",
     "reduce_item_count",
+    "require_transformers",
+    "CRF_LOADING_SINCE",
 ]
 
 # Methods of `Trainer` we call or override (checked on the class).
@@ -45,6 +47,20 @@ TRAINING_ATTRIBUTES = ("current_gradient_accumulation_steps",)
 # Attributes of a built `Trainer` that upstream added after our transformers floor, with the release that added each:
 # below it the shim here does what upstream did before (checked on an instance from that release on).
 TRAINER_ATTRIBUTES_SINCE = {"loss_is_scaled_for_ga": "5.19.0"}
+# Before this release `from_pretrained` re-initialises the CRF's scores of a model saved with add_crf (no error).
+CRF_LOADING_SINCE = "5.13.0"
+
+
+def require_transformers(version: str, feature: str) -> None:
+    """Refuse ``feature`` with one clear line when the installed transformers is older than ``version``."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(version):
+        raise RuntimeError(
+            f"{feature} needs transformers >= {version} (installed: {transformers.__version__}): "
+            f"pip install 'transformers>={version}'"
+        )
 
 
 def prepare_context_parallel_inputs(trainer: Trainer, model, inputs: dict):
