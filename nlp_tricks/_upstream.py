@@ -14,6 +14,7 @@ __all__ = [
     "TRAINER_METHODS",
     "TRAINER_ATTRIBUTES",
     "TRAINING_ATTRIBUTES",
+    "TRAINER_ATTRIBUTES_SINCE",
     "accumulation_steps",
     "is_optimizer_factory",
     "prepare_context_parallel_inputs",
@@ -24,6 +25,8 @@ __all__ = [
     "loss_shifts_labels",
     "set_loss_shifts_labels",
     "reduce_item_count",
+    "require_transformers",
+    "CRF_LOADING_SINCE",
 ]
 
 # Methods of `Trainer` we call or override (checked on the class).
@@ -35,13 +38,29 @@ TRAINER_METHODS = (
 )
 # Attributes a built `Trainer` holds (checked on an instance).
 TRAINER_ATTRIBUTES = (
-    "loss_is_scaled_for_ga",
     "model_accepts_loss_kwargs",
     "compute_loss_func",
     "_loss_shifts_labels",
 )
 # Attributes a `Trainer` sets while it trains (checked after one step).
 TRAINING_ATTRIBUTES = ("current_gradient_accumulation_steps",)
+# Attributes of a built `Trainer` that upstream added after our transformers floor, with the release that added each:
+# below it the shim here does what upstream did before (checked on an instance from that release on).
+TRAINER_ATTRIBUTES_SINCE = {"loss_is_scaled_for_ga": "5.19.0"}
+# Before this release `from_pretrained` re-initialises the CRF's scores of a model saved with add_crf (no error).
+CRF_LOADING_SINCE = "5.13.0"
+
+
+def require_transformers(version: str, feature: str) -> None:
+    """Refuse ``feature`` with one clear line when the installed transformers is older than ``version``."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(version):
+        raise RuntimeError(
+            f"{feature} needs transformers >= {version} (installed: {transformers.__version__}): "
+            f"pip install 'transformers>={version}'"
+        )
 
 
 def prepare_context_parallel_inputs(trainer: Trainer, model, inputs: dict):
@@ -56,9 +75,11 @@ def prepare_inputs(trainer: Trainer, inputs: dict) -> dict:
 
 def loss_is_scaled_for_ga(trainer: Trainer, num_items_in_batch) -> bool:
     """Upstream's rule: the loss is already divided for gradient accumulation when it was normalised by
-    ``num_items_in_batch`` (by the model or ``compute_loss_func``), unless the trainer says otherwise."""
-    if trainer.loss_is_scaled_for_ga is not None:
-        return trainer.loss_is_scaled_for_ga
+    ``num_items_in_batch`` (by the model or ``compute_loss_func``), unless the trainer says otherwise (transformers
+    5.19 added that override; before it the rule alone decided)."""
+    override = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if override is not None:
+        return override
     return (
         trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
     ) or trainer.compute_loss_func is not None

@@ -6,9 +6,11 @@ import itertools
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoModelForTokenClassification, default_data_collator
 
-from nlp_tricks import TricksTrainer, load_state_dict_portable
+from nlp_tricks import TricksTrainer, _upstream, load_state_dict_portable
 from nlp_tricks.crf import CRF, _LogPartition, add_crf, bio_constraints, compact, load_crf_model
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
@@ -240,6 +242,10 @@ def _word_batch(n=6):
     return default_data_collator([data[i] for i in range(n)])
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 def test_save_pretrained_then_one_call_loads_model_and_crf(tmp_path):
     model = _ner_model()
     crf = add_crf(model, bio_constraints=True)
@@ -267,6 +273,10 @@ def test_save_pretrained_then_one_call_loads_model_and_crf(tmp_path):
         assert fresh.crf.decode(fresh(**batch).logits, mask) == before
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 def test_loading_a_folder_without_a_crf_is_refused(tmp_path):
     _ner_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no CRF weights"):
@@ -375,3 +385,11 @@ def test_crf_settings_are_validated(tmp_path):
     model = bert_token_cls()  # labels LABEL_0..: not BIO
     with pytest.raises(ValueError, match="BIO tags"):
         TricksTrainer(model=model, args=tricks_args(tmp_path, crf=True, crf_bio_constraints=True))
+
+
+@pytest.mark.skipif(
+    Version(transformers.__version__) >= Version(_upstream.CRF_LOADING_SINCE), reason="load_crf_model works here"
+)
+def test_load_crf_model_names_the_transformers_it_needs(tmp_path):
+    with pytest.raises(RuntimeError, match=f"needs transformers >= {_upstream.CRF_LOADING_SINCE}"):
+        load_crf_model(tmp_path)

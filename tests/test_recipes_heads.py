@@ -7,9 +7,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from nlp_tricks import _upstream
 from nlp_tricks.crf import CRF, load_crf_model
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import ner_pseudo_labels
@@ -53,6 +56,10 @@ def _predictions(path):
     return [[line.split("\t") for line in block] for block in sentences]
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 def test_ner_crf_metrics_come_from_viterbi_paths_and_the_model_loads_back(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
     flags = ["--crf", "true", "--crf_bio_constraints", "true", "--max_steps", "4"]

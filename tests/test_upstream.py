@@ -5,6 +5,8 @@ An upgrade that removes or renames one fails here, naming it, rather than deep i
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Trainer
 
 from nlp_tricks import _upstream
@@ -23,6 +25,19 @@ def test_trainer_attributes_exist(tmp_path):
     missing = [name for name in _upstream.TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
     assert not missing, f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/_upstream.py"
     assert _upstream.loss_shifts_labels(trainer) is False  # a classifier's loss does not shift labels
+
+
+@pytest.mark.parametrize("name", sorted(_upstream.TRAINER_ATTRIBUTES_SINCE))
+def test_trainer_attributes_added_later_exist_from_their_release(tmp_path, name):
+    """From the release that added it, the attribute exists (the shim reads it); before, it is absent, so the shim's
+    fallback is what upstream did."""
+    since = Version(_upstream.TRAINER_ATTRIBUTES_SINCE[name])
+    trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
+    installed = Version(transformers.__version__)
+    if installed >= since:
+        assert hasattr(trainer, name), f"transformers {installed}: Trainer has no {name}: update _upstream.py"
+    else:
+        assert not hasattr(trainer, name), f"transformers {installed} has {name}: lower its release in _upstream.py"
 
 
 def test_is_optimizer_factory_is_callable():

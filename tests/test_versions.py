@@ -1,4 +1,5 @@
-"""CI tests the lowest versions pyproject.toml allows: .ci/floors.txt pins each floor, and .ci/run installs them."""
+"""CI tests both ends of the versions pyproject.toml allows: .ci/floors.txt pins each floor, and .ci/run installs them
+(and, in a second environment, the newest releases) and runs the README's commands."""
 
 import re
 import tomllib
@@ -40,3 +41,23 @@ def test_installed_versions_meet_the_floors():
     for name, floor in _floors().items():
         installed = version(name)
         assert key(installed) >= key(floor), f"{name} {installed} is below the floor {floor} in pyproject.toml"
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The lines of the first ```bash block under README.md's ``## heading``."""
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_installs_the_floors_and_runs_the_readmes_test_command_verbatim():
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "install floors -c .ci/floors.txt" in run
+    (command,) = _readme_block("Test")
+    assert f"\n    {command}\n" in run, f".ci/run does not run the README's test command {command!r} verbatim"
+
+
+def test_readme_set_up_is_two_lines_the_second_being_what_ci_runs():
+    install, test = _readme_block("Install")
+    assert "accelerate launch recipes/ner.py" in install and "torch==" not in install
+    assert test == "bash .ci/run"
