@@ -1,5 +1,5 @@
-"""Optimizer-step time and peak memory of FGM / PGD / AWP / FreeLB / R-Drop (nlp_tricks) against plain training and
-the classic recipes.
+"""Optimizer-step time and peak memory of FGM / PGD / AWP / FreeLB / R-Drop / SAM / SMART (nlp_tricks) against plain
+training and the classic recipes.
 
     python benchmarks/adversarial.py              # MiniLM-shaped BERT, batch 16 x 64, CPU: the README's numbers
     python benchmarks/adversarial.py --quick      # a tiny BERT, seconds
@@ -22,6 +22,11 @@ shape). Methods:
   the same random start and a clean pass.
 - rdrop: one forward over the doubled batch and ``rdrop_loss``; classic rdrop: the official R-Drop example (two
   forwards, ``F.kl_div`` on softmaxes).
+- sam / asam: ``SAM(model, rho=0.05).step([loss_fn])`` (``adaptive=True, rho=1.0``); classic sam: the common SAM
+  optimizer wrapper (davda54/sam: ``first_step`` / ``second_step`` with a closure) around the same fused AdamW.
+- smart: ``SMART(model)`` (the paper's settings, one ascent step) added to the loss with weight 1; classic smart:
+  mt-dnn's ``SmartPerturbation`` loop written out (``inputs_embeds``, its ``stable_kl`` for the ascent and its
+  symmetric KL criterion for the term).
 
 Time: the median over interleaved rounds (the order rotates each round); ratios are medians of the per-round ratios, so
 the shared machine's slow drifts hit both sides of a ratio alike (``_timing.py``). Memory: each method runs in a fresh
@@ -51,6 +56,8 @@ from transformers import BertConfig, BertForTokenClassification
 from nlp_tricks import AWP, FGM, PGD, FreeLB
 from nlp_tricks.adversarial import awp_parameters
 from nlp_tricks.losses import rdrop_loss
+from nlp_tricks.sam import SAM
+from nlp_tricks.smart import SMART
 
 MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
@@ -151,6 +158,92 @@ def classic_rdrop_step(model, inputs, alpha=1.0):
     (ce_loss + alpha * (p_loss + q_loss) / 2).backward()
 
 
+class ClassicSAM(torch.optim.Optimizer):
+    """The common SAM optimizer wrapper (davda54/sam, as its README uses it): the closure runs forward / backward."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        shared_device = self.param_groups[0]["params"][0].device
+        grad_norm = torch.norm(
+            torch.stack(
+                [
+                    p.grad.norm(p=2).to(shared_device)
+                    for g in self.param_groups
+                    for p in g["params"]
+                    if p.grad is not None
+                ]
+            ),
+            p=2,
+        )
+        for group in self.param_groups:
+            scale = group["rho"] / (grad_norm + 1e-12)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * scale.to(p))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure):
+        closure = torch.enable_grad()(closure)
+        self.first_step(zero_grad=True)
+        closure()
+        self.second_step()
+
+
+def _stable_kl(logit, target, epsilon=1e-6):
+    """mt-dnn's ``stable_kl`` (mt_dnn/loss.py), summed."""
+    logit = logit.view(-1, logit.size(-1)).float()
+    target = target.view(-1, target.size(-1)).float()
+    p = torch.nn.functional.log_softmax(logit, 1).exp()
+    y = torch.nn.functional.log_softmax(target, 1).exp()
+    rp = -(1.0 / (p + epsilon) - 1 + epsilon).detach().log()
+    ry = -(1.0 / (y + epsilon) - 1 + epsilon).detach().log()
+    return (p * (rp - ry) * 2).sum()
+
+
+def classic_smart_step(model, inputs, alpha=1.0, noise_var=1e-5, step_size=1e-3, epsilon=1e-6):
+    """mt-dnn's ``SmartPerturbation.forward`` (one step, inf-norm per token) on ``inputs_embeds``, its
+    ``SymKlCriterion`` (batchmean) as the term, added to the cross-entropy."""
+    labels = inputs["labels"]
+    rest = {k: v for k, v in inputs.items() if k not in ("labels", "input_ids")}
+    embed = model.get_input_embeddings()(inputs["input_ids"])
+    logits = model(inputs_embeds=embed, **rest).logits
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+    noise = (embed.data.new(embed.size()).normal_(0, 1) * noise_var).requires_grad_()
+    adv_logits = model(inputs_embeds=embed + noise, **rest).logits
+    adv_loss = _stable_kl(adv_logits, logits.detach())
+    (delta_grad,) = torch.autograd.grad(adv_loss, noise, only_inputs=True, retain_graph=False)
+    norm = delta_grad.norm()
+    if not (torch.isnan(norm) or torch.isinf(norm)):
+        noise = noise + delta_grad * step_size
+        noise = (noise / (noise.abs().max(-1, keepdim=True)[0] + epsilon)).detach()
+        adv_logits = model(inputs_embeds=embed + noise, **rest).logits
+        a = logits.view(-1, logits.shape[-1]).float()
+        b = adv_logits.view(-1, logits.shape[-1]).float()
+        kl = torch.nn.functional.kl_div
+        adv_loss = kl(b.log_softmax(-1), a.detach().softmax(-1), reduction="batchmean") + kl(
+            a.log_softmax(-1), b.detach().softmax(-1), reduction="batchmean"
+        )
+        loss = loss + alpha * adv_loss
+    loss.backward()
+
+
 # ---- Setup ----------------------------------------------------------------------------------------------------------
 
 
@@ -171,12 +264,29 @@ def build(vocab, shape, batch, length, seed=0, device="cpu"):
 
 
 def make_steps(model, optimizer, inputs):
-    """One optimizer step per method, each a closure over the same model, optimizer and batch."""
+    """One optimizer step per method, each a closure over the same model, optimizer and batch (classic SAM wraps an
+    AdamW of its own, of the same kind)."""
     weight = model.get_input_embeddings().weight
     fgm, pgd = FGM(model, epsilon=1.0), PGD(model, epsilon=1.0, alpha=0.3, steps=3)
     awp = AWP(model, gamma=0.01)
     freelb, freelb_random = FreeLB(model, steps=3), FreeLB(model, steps=3, init_mag=0.1)
     doubled = {key: torch.cat([value, value]) for key, value in inputs.items() if key != "labels"}
+    sam, asam = SAM(model, rho=0.05), SAM(model, rho=1.0, adaptive=True)
+    classic_sam = ClassicSAM(model.parameters(), torch.optim.AdamW, rho=0.05, lr=1e-5, fused=True)
+    smart = SMART(model)
+    rest = {key: value for key, value in inputs.items() if key != "labels"}
+
+    def smart_step():
+        with smart.capture():
+            logits = model(**rest).logits
+        labels = inputs["labels"]
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        (loss + smart.loss(lambda: model(**rest).logits, logits, labels)).backward()
+
+    def classic_sam_step():  # the wrapper's README: the first backward, then step(closure)
+        loss_fn().backward()
+        classic_sam.step(lambda: loss_fn().backward())
+        classic_sam.zero_grad(set_to_none=True)
 
     def loss_fn():
         return model(**inputs).loss
@@ -205,11 +315,17 @@ def make_steps(model, optimizer, inputs):
         "classic freelb3": lambda: (classic_freelb_step(model, inputs), finish()),
         "rdrop": lambda: (rdrop_step(), finish()),
         "classic rdrop": lambda: (classic_rdrop_step(model, inputs), finish()),
+        "sam": lambda: (sam.step([loss_fn]), finish()),
+        "asam": lambda: (asam.step([loss_fn]), finish()),
+        "classic sam": classic_sam_step,
+        "smart": lambda: (smart_step(), finish()),
+        "classic smart": lambda: (classic_smart_step(model, inputs), finish()),
     }
 
 
 METHODS = ["plain", "fgm", "pgd3", "classic fgm", "classic pgd3", "awp", "classic awp", "freelb3",
-           "freelb3 random start", "classic freelb3", "rdrop", "classic rdrop"]  # fmt: skip
+           "freelb3 random start", "classic freelb3", "rdrop", "classic rdrop", "sam", "asam", "classic sam",
+           "smart", "classic smart"]  # fmt: skip
 # The goals of the issues, as (case, baseline, goal): time(case) / time(baseline) <= goal.
 GOALS = [
     ("fgm", "plain", 2.1),
@@ -222,6 +338,10 @@ GOALS = [
     ("freelb3 random start", "classic freelb3", 1.0),
     ("rdrop", "plain", 2.1),
     ("rdrop", "classic rdrop", 1.0),
+    ("sam", "plain", 2.05),
+    ("sam", "classic sam", 1.0),
+    ("asam", "plain", 2.05),
+    ("smart", "classic smart", 1.0),
 ]
 
 
@@ -377,7 +497,16 @@ def main():
 
 def _name(method):
     """The method as the docs write it: "classic pgd3" -> "classic PGD-3"."""
-    names = {"fgm": "FGM", "pgd3": "PGD-3", "awp": "AWP", "freelb3": "FreeLB-3", "rdrop": "R-Drop"}
+    names = {
+        "fgm": "FGM",
+        "pgd3": "PGD-3",
+        "awp": "AWP",
+        "freelb3": "FreeLB-3",
+        "rdrop": "R-Drop",
+        "sam": "SAM",
+        "asam": "ASAM",
+        "smart": "SMART",
+    }
     words = method.split(" ")
     return " ".join(names.get(word, word) for word in words)
 

@@ -178,6 +178,54 @@ class TricksArguments(TrainingArguments):
         },
     )
 
+    # --- SAM (sharpness-aware minimisation) ---
+    sam_rho: float = field(
+        default=0.0,
+        metadata={
+            "help": "SAM (Foret et al. 2021) neighbourhood radius rho >= 0; 0 disables it. Each optimizer step moves "
+            "the weights to w + rho * g / ||g|| (g: the step's whole accumulated gradient, the norm over all trained "
+            "parameters), takes the gradient there, moves back and steps with it: two forwards and backwards per "
+            "micro-batch. Under DDP g is each process's own (m-sharpness). Logs `loss_sam` and `sam_skipped`. "
+            "Typical: 0.05 (SAM), 0.5-2 (ASAM). Not with `adversarial` (each runs the whole step)."
+        },
+    )
+    sam_adaptive: bool = field(
+        default=False,
+        metadata={
+            "help": "ASAM (Kwon et al. 2021) instead of SAM: the neighbourhood scaled elementwise by |w| + 0.01 "
+            "(weights; biases unscaled), e(w) = rho * T^2 g / ||T g||. Needs sam_rho > 0."
+        },
+    )
+
+    # --- SMART (smoothness-inducing adversarial regularisation) ---
+    smart_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "SMART (Jiang et al. 2020) weight lambda_s >= 0; 0 disables it. Adds lambda_s * (KL(p || q) + "
+            "KL(q || p)) per counted item to the loss of every training forward, p the softmax at the embedding "
+            "output x, q at x + delta, delta found from a N(0, 1e-5^2) start by smart_steps ascent steps on that "
+            "divergence; logs `loss_smart`. Needs no labels beyond the loss's. Paper: 1, 3 or 5."
+        },
+    )
+    smart_epsilon: float = field(
+        default=1e-5,
+        metadata={"help": "SMART's perturbation radius epsilon > 0, elementwise (the inf-norm ball). Paper: 1e-5."},
+    )
+    smart_step_size: float = field(
+        default=1e-3,
+        metadata={
+            "help": "SMART's ascent step size eta > 0, on the gradient divided by its inf-norm per example. "
+            "Paper: 1e-3."
+        },
+    )
+    smart_steps: int = field(
+        default=1,
+        metadata={
+            "help": "SMART's ascent steps T_x >= 1 per forward (each one more forward and a backward to the "
+            "embeddings). Paper: 1."
+        },
+    )
+
     # --- Weight averaging ---
     ema_decay: float = field(
         default=0.0,

@@ -24,8 +24,10 @@ from pathlib import Path
 import evidence
 from transformers import HfArgumentParser
 
+from nlp_tricks.data.arrow import first_rows
+
 from classification import ClassificationDataArguments, load_classification_splits
-from common import labelled_splits, run_recipe, write_json_atomic
+from common import eval_splits, labelled_splits, run_recipe, write_json_atomic
 from ner import NerDataArguments, load_ner_splits
 from summarization import SummarizationDataArguments, load_summarization_splits
 
@@ -173,10 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         _, train, examples = labelled_splits(load_classification_splits(data), "label", data)
     else:
         splits = load_summarization_splits(data)
-        train = splits["train"][0][: data.max_train_samples]
-        examples = {
-            s: splits[s][0][: data.max_eval_samples] for s in ("validation", "test") if splits.get(s, ([],))[0]
-        }
+        train = first_rows(splits["train"][0], data.max_train_samples)
+        examples = eval_splits(splits, data.max_eval_samples)
     writer = {"ner": write_ner, "classification": write_classification, "summarization": write_summarization}[task]
     results = {"baseline": args.baseline, "train_samples": len(train)}
     fitted = None

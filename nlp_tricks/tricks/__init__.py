@@ -16,7 +16,9 @@ from .loss import LossFunction
 from .multi_sample_dropout import MultiSampleDropout
 from .pooling import PoolingHead
 from .rdrop import RDrop
+from .sam import SharpnessAwareMinimization
 from .scheduled_sampling import ScheduledSampling
+from .smart import SmoothnessRegularization
 
 __all__ = ["Trick", "LossBatch", "BUILT_IN_TRICKS", "built_in_tricks", "validate_arguments"]
 
@@ -30,8 +32,10 @@ BUILT_IN_TRICKS = (
     CRFHead,
     MultiSampleDropout,
     RDrop,
+    SmoothnessRegularization,
     LossFunction,
     Adversarial,
+    SharpnessAwareMinimization,
     ExponentialMovingAverage,
     CheckpointAveraging,
     # After the EMA: it is built when training begins, before this trick freezes what unfreeze_at_step thaws later.
@@ -73,6 +77,23 @@ def validate_arguments(args) -> None:
             f"pooling={args.pooling!r} applies to sequence classification and crf=True to token classification; "
             "use one of them"
         )
+    # SAM and SMART.
+    if args.sam_rho > 0 and args.adversarial != "none":
+        raise ValueError(
+            f"sam_rho={args.sam_rho} and adversarial={args.adversarial!r} each run the whole training step; use one "
+            "of them"
+        )
+    if args.smart_alpha > 0:
+        for clash, setting in (
+            (args.crf, "crf=True (its loss is computed inside the forward, on whole tag sequences)"),
+            (args.head_dropout_samples > 1, f"head_dropout_samples={args.head_dropout_samples}"),
+            (args.scheduled_sampling != "none", f"scheduled_sampling={args.scheduled_sampling!r}"),
+        ):
+            if clash:
+                raise ValueError(
+                    f"smart_alpha={args.smart_alpha} regularises the logits of one plain forward; it does not "
+                    f"combine with {setting}; use one of them"
+                )
     if args.swa_last_k > 0 and args.load_best_model_at_end:
         raise ValueError("swa_last_k and load_best_model_at_end both choose the final weights; use one of them")
     if args.swa_last_k > 0 and args.ema_eval:

@@ -1,0 +1,61 @@
+"""SAM and SMART under real 2-process DDP (gloo on CPU): one all-reduce per optimizer step, identical ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "sam_smart_ddp.py"
+NAMES = ["plain", "sam", "smart_fgm"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # --multi_gpu starts 2 processes even without GPUs (gloo); --cpu with --num_processes 2 would start one.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out)]
+    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def _report(out, name, rank):
+    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+
+
+def test_one_allreduce_per_optimizer_step(ddp_run):
+    """SAM runs 2 micro-batches x 2 passes per step, SMART with FGM 2 passes of 3 forwards each per micro-batch:
+    still one all-reduce of each gradient bucket per optimizer step, as plain training."""
+    plain = _report(ddp_run, "plain", 0)
+    assert plain["world_size"] == 2 and plain["steps"] == 2
+    buckets, rest = divmod(plain["allreduces"], plain["steps"])
+    assert buckets >= 1 and rest == 0
+    for name in NAMES:
+        for rank in (0, 1):
+            report = _report(ddp_run, name, rank)
+            assert report["allreduces"] == buckets * report["steps"], (name, rank, report)
+            assert report["trick_state"].get("sam_skipped", 0) == 0
+            assert report["trick_state"].get("smart_skipped", 0) == 0
+    assert all(e["loss_sam"] > e["loss"] for e in _report(ddp_run, "sam", 0)["logged"])
+    assert all(e["loss_smart"] > 0 for e in _report(ddp_run, "smart_fgm", 0)["logged"])
+
+
+def test_ranks_end_with_identical_weights(ddp_run):
+    """The ascent gradient is each process's own (m-sharpness), but the update is all-reduced: the ranks agree."""
+    plain = load_file(str(ddp_run / "plain_rank0.safetensors"))
+    for name in NAMES:
+        rank0 = load_file(str(ddp_run / f"{name}_rank0.safetensors"))
+        rank1 = load_file(str(ddp_run / f"{name}_rank1.safetensors"))
+        for key, value in rank0.items():
+            assert torch.equal(value, rank1[key]), f"{name}: {key} differs between ranks"
+        if name != "plain":
+            assert not torch.equal(rank0["classifier.weight"], plain["classifier.weight"]), f"{name} changed nothing"
