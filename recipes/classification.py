@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
@@ -63,6 +64,7 @@ from nlp_tricks.data import (
 )
 from nlp_tricks.data.arrow import as_dataset
 from nlp_tricks.metrics import load_metric
+from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
 from common import (
     DataArguments,
@@ -398,6 +400,76 @@ def predict_labels(threshold: float) -> Callable:
     """``preprocess_logits_for_metrics`` of multi-label runs: 1 where a label's sigmoid probability is above
     ``threshold``."""
     return lambda logits, labels: (torch.sigmoid(logits.float()) > threshold).long()
+
+
+# ---- The self-training task (recipes/self_training.py --task classification) ----------------------------------------
+
+
+class ClassificationTask:
+    """What recipes/self_training.py needs of text classification: one text, one label, pseudo-labelled per text."""
+
+    label_key = "label"
+    # Overrides of self-training's defaults (which are recipes/ner.py's): this recipe's learning rate.
+    self_training_defaults = {"learning_rate": RECIPE_DEFAULTS["learning_rate"]}
+    # The columns of self-training's printed table.
+    table_metrics = ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1")
+    supports_crf = False
+
+    def read_labelled(self, data):
+        """``(splits, labels, train_examples, eval_examples)``: :func:`read_data`."""
+        return read_data(data)
+
+    def read_unlabeled(self, path: str, data) -> list[dict]:
+        return read_unlabeled_file(path, "classification", data.text_column)
+
+    def load_model(self, model_args, labels: list[str], model_path: str):
+        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, model_path)
+        return model, tokenizer
+
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
+        return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length, data=data)
+
+    def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int):
+        """The inputs of the texts (no word ids: a text has one label)."""
+        encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
+        return Dataset.from_dict(dict(encodings)), None
+
+    def collator(self, tokenizer):
+        return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+
+    def evaluation_sets(self, eval_examples: dict[str, list[dict]], tokenizer, labels: list[str], data) -> dict:
+        """Per split, ``(dataset, compute_metrics)``: accuracy and macro-F1."""
+        label2id = {label: i for i, label in enumerate(labels)}
+        datasets = {
+            split: self.tokenize(examples, tokenizer, label2id, data, train=False)
+            for split, examples in eval_examples.items()
+        }
+        return {
+            split: (dataset, classification_compute_metrics(len(labels), len(dataset)))
+            for split, dataset in datasets.items()
+        }
+
+    def pseudo_labels(self, logits, word_ids, threshold: float, crf=None) -> PseudoLabels:
+        return classification_pseudo_labels(logits, threshold)
+
+    def pseudo_examples(self, unlabeled: list[dict], pseudo: PseudoLabels, labels: list[str]) -> list[dict]:
+        """The kept texts with their pseudo-labels, as :func:`tokenize_classification` reads them."""
+        return [{"text": unlabeled[i]["text"], "label": labels[y]} for i, y in zip(pseudo.indices, pseudo.labels)]
+
+    def pseudo_label_accuracy(self, pseudo: PseudoLabels, hidden_gold: list, labels: list[str]) -> float | None:
+        """The share of kept texts whose pseudo-label is the held-out gold label."""
+        return float(np.mean([labels[y] == hidden_gold[i] for i, y in zip(pseudo.indices, pseudo.labels)]))
+
+    def teacher_logits(self, examples, teacher, dataset: Dataset, tokenizer, label2id: dict, data) -> list:
+        """Per training example, the ``(C,)`` logits: the teacher's (``teacher[i]``) or the gold one-hot (``None``:
+        a labelled text)."""
+        return [
+            one_hot_logits(label2id[ex["label"]], len(label2id)) if t is None else np.asarray(t, dtype=np.float32)
+            for ex, t in zip(examples, teacher)
+        ]
+
+
+CLASSIFICATION_TASK = ClassificationTask()
 
 
 # ---- The recipe ---------------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from nlp_tricks.crf import bio_violation
 from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file, subtoken_tags
 from nlp_tricks.data.arrow import as_dataset
 from nlp_tricks.metrics import load_metric
+from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
 from common import (
     DataArguments,
@@ -430,6 +431,101 @@ def check_bio(examples: list[dict], source: str) -> None:
             raise DataError(
                 source, line, f"--crf_bio_constraints: {why}; convert IOB1 tags to IOB2 or drop the constraints"
             )
+
+
+# ---- The self-training task (recipes/self_training.py --task ner) ---------------------------------------------------
+
+
+class NerTask:
+    """What recipes/self_training.py needs of NER: sentences with a tag per word, pseudo-labelled word by word."""
+
+    label_key = "ner_tags"
+    # Overrides of self-training's defaults (which are this recipe's).
+    self_training_defaults = {}
+    # The columns of self-training's printed table.
+    table_metrics = ("eval_f1", "test_f1")
+    supports_crf = True
+
+    def read_labelled(self, data):
+        """``(splits, labels, train_examples, eval_examples)``: :func:`read_data`."""
+        return read_data(data)
+
+    def read_unlabeled(self, path: str, data) -> list[dict]:
+        return read_unlabeled_file(path, "ner", data.tokens_column)
+
+    def load_model(self, model_args, labels: list[str], model_path: str):
+        model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels, model_path)
+        prepare_ner_tokenizer(config, tokenizer)
+        return model, tokenizer
+
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
+        return tokenize_ner(
+            examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train, data=data
+        )
+
+    def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int):
+        """The inputs of the sentences, and each sentence's word ids (pseudo-labels go by word)."""
+        encodings = tokenizer(
+            [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
+        )
+        word_ids = [encodings.word_ids(batch_index=i) for i in range(len(examples))]
+        return Dataset.from_dict(dict(encodings)), word_ids
+
+    def collator(self, tokenizer):
+        return DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)
+
+    def evaluation_sets(self, eval_examples: dict[str, list[dict]], tokenizer, labels: list[str], data) -> dict:
+        """Per split, ``(dataset, compute_metrics)`` scoring every word (first sub-tokens carry the labels)."""
+        label2id = {label: i for i, label in enumerate(labels)}
+        id2label = dict(enumerate(labels))
+        eval_sets = {
+            split: ner_eval_set(examples, tokenizer, label2id, data.max_seq_length, data)
+            for split, examples in eval_examples.items()
+        }
+        return {
+            split: (eval_set.dataset, ner_compute_metrics(id2label, eval_set)) for split, eval_set in eval_sets.items()
+        }
+
+    def pseudo_labels(self, logits, word_ids, threshold: float, crf=None) -> PseudoLabels:
+        """Word-level pseudo-labels; with a ``crf``, each sentence's Viterbi path."""
+        return ner_pseudo_labels(logits, word_ids, threshold, crf=crf)
+
+    def pseudo_examples(self, unlabeled: list[dict], pseudo: PseudoLabels, labels: list[str]) -> list[dict]:
+        """The kept sentences with their pseudo-tags, as :func:`tokenize_ner` reads them."""
+        out = []
+        for i, word_labels in zip(pseudo.indices, pseudo.labels):
+            # Words the teacher saw (truncation cuts the rest); a word without a sub-token never gets a label from
+            # the same tokenizer, so its placeholder tag is not trained on.
+            tags = [labels[y] if y is not None else labels[0] for y in word_labels]
+            out.append({"tokens": unlabeled[i]["tokens"][: len(tags)], "ner_tags": tags})
+        return out
+
+    def pseudo_label_accuracy(self, pseudo: PseudoLabels, hidden_gold: list, labels: list[str]) -> float | None:
+        """Per word: the share of labelled words of the kept sentences whose pseudo-tag is the held-out gold tag."""
+        hits = [
+            labels[y] == gold
+            for i, word_labels in zip(pseudo.indices, pseudo.labels)
+            for y, gold in zip(word_labels, hidden_gold[i])
+            if y is not None
+        ]
+        return float(np.mean(hits)) if hits else None
+
+    def teacher_logits(self, examples, teacher, dataset: Dataset, tokenizer, label2id: dict, data) -> list:
+        """Per training example, the ``(L, C)`` logits of its tokens: the teacher's word logits (``teacher[i]``) or
+        the gold one-hot (``None``: a labelled sentence), on the tokens that carry a label in ``dataset``."""
+        encodings = tokenizer(
+            [ex["tokens"] for ex in examples],
+            is_split_into_words=True,
+            truncation=True,
+            max_length=data.max_seq_length,
+        )
+        return [
+            token_teacher_logits(encodings.word_ids(batch_index=i), dataset[i]["labels"], t, len(label2id))
+            for i, t in enumerate(teacher)
+        ]
+
+
+NER_TASK = NerTask()
 
 
 # ---- The recipe ---------------------------------------------------------------------------------------------------

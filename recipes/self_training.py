@@ -38,44 +38,26 @@ Features:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-    DataCollatorForTokenClassification,
-    DataCollatorWithPadding,
-    set_seed,
-)
+from datasets import Dataset
+from transformers import DataCollatorWithPadding, set_seed
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import DataError, split_examples
-from nlp_tricks.self_training import (
-    TeacherLogitsCollator,
-    classification_pseudo_labels,
-    ner_pseudo_labels,
-    one_hot_logits,
-    predict_logits,
-    read_unlabeled_file,
-    token_teacher_logits,
-)
+from nlp_tricks.self_training import PseudoLabels, TeacherLogitsCollator, predict_logits
 
-from classification import (
-    ClassificationDataArguments,
-    classification_compute_metrics,
-    load_classification_splits,
-    tokenize_classification,
-)
+from classification import CLASSIFICATION_TASK, ClassificationDataArguments
 from common import (
     ModelArguments,
     check_label_arguments,
     check_saved_crf,
     exit_if_preempted,
     is_main_process,
-    labelled_splits,
-    load_classifier,
     parse_recipe_args,
     prepare_output_dir,
     resolve_model_path,
@@ -83,14 +65,7 @@ from common import (
     saved_crf_defaults,
     write_json_atomic,
 )
-from ner import (
-    NerDataArguments,
-    load_ner_splits,
-    ner_compute_metrics,
-    ner_eval_set,
-    prepare_ner_tokenizer,
-    tokenize_ner,
-)
+from ner import NER_TASK, NerDataArguments
 
 # Those of recipes/ner.py and recipes/classification.py, but no evaluation during training: each stage is scored
 # once at its end.
@@ -105,14 +80,50 @@ RECIPE_DEFAULTS = {
     "logging_steps": 50,
     "save_strategy": "no",
 }
+
+
+class SelfTrainingTask(Protocol):
+    """What self-training needs of a task: ``NER_TASK`` in recipes/ner.py, ``CLASSIFICATION_TASK`` in
+    recipes/classification.py. ``data`` is the parsed :class:`SelfTrainingDataArguments`."""
+
+    label_key: str  # an example's gold label(s)
+    self_training_defaults: dict  # overrides of RECIPE_DEFAULTS, applied unless the flag is given
+    table_metrics: tuple[str, ...]  # the columns of the printed table
+    supports_crf: bool
+
+    def read_labelled(self, data) -> tuple[dict, list[str], list[dict], dict[str, list[dict]]]:
+        """``(splits, labels, train_examples, eval_examples)`` (see ``common.labelled_splits``)."""
+
+    def read_unlabeled(self, path: str, data) -> list[dict]: ...
+
+    def load_model(self, model_args, labels: list[str], model_path: str) -> tuple:
+        """``(model, tokenizer)`` with a fresh head over ``labels``."""
+
+    def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset: ...
+
+    def tokenize_unlabeled(self, examples: list[dict], tokenizer, max_seq_length: int) -> tuple[Dataset, list | None]:
+        """The inputs, and per example its word ids (None: one label per example)."""
+
+    def collator(self, tokenizer) -> Callable: ...
+
+    def evaluation_sets(self, eval_examples: dict, tokenizer, labels: list[str], data) -> dict:
+        """Per split, ``(dataset, compute_metrics)``."""
+
+    def pseudo_labels(self, logits: list, word_ids: list | None, threshold: float, crf=None) -> PseudoLabels: ...
+
+    def pseudo_examples(self, unlabeled: list[dict], pseudo: PseudoLabels, labels: list[str]) -> list[dict]:
+        """The kept unlabelled examples with their pseudo-labels, in the form ``tokenize`` reads."""
+
+    def pseudo_label_accuracy(self, pseudo: PseudoLabels, hidden_gold: list, labels: list[str]) -> float | None: ...
+
+    def teacher_logits(self, examples, teacher, dataset: Dataset, tokenizer, label2id: dict, data) -> list:
+        """The ``teacher_logits`` column of soft labels: per example the teacher's (``teacher[i]``) or, where it is
+        None, the gold one-hot, aligned with ``dataset``'s labels."""
+
+
+TASKS: dict[str, SelfTrainingTask] = {"ner": NER_TASK, "classification": CLASSIFICATION_TASK}
 # Per-task defaults, applied unless the flag is given.
-TASK_DEFAULTS = {"ner": {}, "classification": {"learning_rate": 1e-4}}
-TASKS = ("ner", "classification")
-# The columns of the printed table.
-TABLE_METRICS = {
-    "ner": ("eval_f1", "test_f1"),
-    "classification": ("eval_accuracy", "eval_f1", "test_accuracy", "test_f1"),
-}
+TASK_DEFAULTS = {name: task.self_training_defaults for name, task in TASKS.items()}
 
 
 @dataclass
@@ -215,26 +226,21 @@ class SelfTrainingModelArguments(ModelArguments):
 # ---- Data ---------------------------------------------------------------------------------------------------------
 
 
-def setup_data(data: SelfTrainingDataArguments) -> dict:
+def setup_data(task: SelfTrainingTask, data: SelfTrainingDataArguments) -> dict:
     """Read everything (and fail on bad input) before any training: labelled, unlabelled, validation, test, labels."""
-    ner = data.task == "ner"
-    splits = load_ner_splits(data) if ner else load_classification_splits(data)
-    label_key = "ner_tags" if ner else "label"
-    labels, train, eval_examples = labelled_splits(splits, label_key, data, data.tag_names if ner else None)
+    splits, labels, train, eval_examples = task.read_labelled(data)
     hidden_gold = None
     if data.unlabeled_file:
         labelled = train
-        unlabeled = read_unlabeled_file(
-            data.unlabeled_file, data.task, data.tokens_column if ner else data.text_column
-        )
+        unlabeled = task.read_unlabeled(data.unlabeled_file, data)
         source = data.unlabeled_file
     else:
         labelled, held_out = split_examples(
             train, (1.0 - data.unlabeled_fraction, data.unlabeled_fraction), seed=data.split_seed
         )
         # The labels are removed from what the teacher sees; they only measure the pseudo-labels' accuracy.
-        hidden_gold = [ex[label_key] for ex in held_out]
-        unlabeled = [{k: v for k, v in ex.items() if k not in (label_key, "tag_lines")} for ex in held_out]
+        hidden_gold = [ex[task.label_key] for ex in held_out]
+        unlabeled = [{k: v for k, v in ex.items() if k not in (task.label_key, "tag_lines")} for ex in held_out]
         source = splits["train"][1]
     unlabeled = unlabeled[: data.max_unlabeled_samples]
     hidden_gold = None if hidden_gold is None else hidden_gold[: len(unlabeled)]
@@ -251,64 +257,26 @@ def setup_data(data: SelfTrainingDataArguments) -> dict:
     }
 
 
-def tokenize(task: str, examples: list[dict], tokenizer, label2id: dict, data: SelfTrainingDataArguments, train: bool):
-    if task == "ner":
-        return tokenize_ner(
-            examples, tokenizer, label2id, data.max_seq_length, data.label_all_tokens and train, data=data
-        )
-    return tokenize_classification(examples, tokenizer, label2id, data.max_seq_length, data=data)
-
-
-def tokenize_unlabeled(task: str, examples: list[dict], tokenizer, max_seq_length: int):
-    """The inputs of the unlabelled examples, and for NER each sentence's word ids."""
-    from datasets import Dataset
-
-    if task == "ner":
-        encodings = tokenizer(
-            [ex["tokens"] for ex in examples], is_split_into_words=True, truncation=True, max_length=max_seq_length
-        )
-        word_ids = [encodings.word_ids(batch_index=i) for i in range(len(examples))]
-    else:
-        encodings = tokenizer([ex["text"] for ex in examples], truncation=True, max_length=max_seq_length)
-        word_ids = None
-    return Dataset.from_dict(dict(encodings)), word_ids
-
-
 # ---- Model, training, evaluation ---------------------------------------------------------------------------------
 
 
-def build_model(task: str, model_path: str, model_args: SelfTrainingModelArguments, labels: list[str], seed: int):
+def build_model(task: SelfTrainingTask, model_path: str, model_args, labels: list[str], seed: int):
     set_seed(seed)  # the fresh classifier head of every stage starts from the same seed
-    auto_cls = AutoModelForTokenClassification if task == "ner" else AutoModelForSequenceClassification
-    model, tokenizer, config = load_classifier(auto_cls, model_args, labels, model_path)
-    if task == "ner":
-        prepare_ner_tokenizer(config, tokenizer)
-    return model, tokenizer
+    return task.load_model(model_args, labels, model_path)
 
 
-def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, training_args, output_dir, labels):
+def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, eval_sets, training_args, output_dir):
     """Train one stage (teacher or student), save it; return the trained model, the job's accelerator and the
-    validation / test metrics (the trainer, with its optimizer state, is let go). ``eval_sets``: per split, the
-    ``NerEvalSet`` (NER: every word is scored) or the tokenized dataset (classification)."""
+    validation / test metrics (the trainer, with its optimizer state, is let go). ``eval_sets``: per split,
+    ``(dataset, compute_metrics)`` (``task.evaluation_sets``)."""
     args = copy.deepcopy(training_args)
     args.output_dir = str(output_dir)
-    if task == "ner":
-        collator = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)
-        id2label = dict(enumerate(labels))
-        split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
-        eval_datasets = {split: eval_set.dataset for split, eval_set in eval_sets.items()}
-    else:
-        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-        split_metrics = {
-            split: classification_compute_metrics(len(labels), len(dataset)) for split, dataset in eval_sets.items()
-        }
-        eval_datasets = eval_sets
     trainer = TricksTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
-        data_collator=TeacherLogitsCollator(collator, tokenizer.padding_side),
+        data_collator=TeacherLogitsCollator(task.collator(tokenizer), tokenizer.padding_side),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
     )
     train_result = trainer.train()
@@ -316,17 +284,19 @@ def train_and_evaluate(task, model, tokenizer, train_dataset, eval_sets, trainin
     trainer.save_model()
     metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
     for split, prefix in (("validation", "eval"), ("test", "test")):
-        if split in eval_datasets:
-            trainer.compute_metrics = split_metrics[split]
-            metrics.update(trainer.evaluate(eval_datasets[split], metric_key_prefix=prefix))
+        if split in eval_sets:
+            dataset, trainer.compute_metrics = eval_sets[split]
+            metrics.update(trainer.evaluate(dataset, metric_key_prefix=prefix))
     trainer.save_state()  # trainer_state.json with the scores: `nlp-tricks plot` draws each stage
     return trainer.model, trainer.accelerator, metrics
 
 
-def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc, crf=None):
+def pseudo_label(
+    task: SelfTrainingTask, model, accelerator, tokenizer, unlabeled, data, threshold, batch_size, desc, crf=None
+):
     """The teacher's pseudo-labels for the unlabelled examples (every process gets all of them); NER with a ``crf``
     labels each sentence with its Viterbi path."""
-    dataset, word_ids = tokenize_unlabeled(task, unlabeled, tokenizer, data.max_seq_length)
+    dataset, word_ids = task.tokenize_unlabeled(unlabeled, tokenizer, data.max_seq_length)
     logits = predict_logits(
         model,
         dataset,
@@ -335,74 +305,33 @@ def pseudo_label(task, model, accelerator, tokenizer, unlabeled, data, threshold
         accelerator=accelerator,
         desc=desc,
     )
-    if task == "ner":
-        return ner_pseudo_labels(logits, word_ids, threshold, crf=crf)
-    return classification_pseudo_labels(logits, threshold)
+    return task.pseudo_labels(logits, word_ids, threshold, crf=crf)
 
 
-def pseudo_examples(task: str, unlabeled: list[dict], pseudo, labels: list[str]) -> list[dict]:
-    """Kept unlabelled examples with their pseudo-labels, in the form the task's tokenizer function reads."""
-    if task == "classification":
-        return [{"text": unlabeled[i]["text"], "label": labels[y]} for i, y in zip(pseudo.indices, pseudo.labels)]
-    out = []
-    for i, word_labels in zip(pseudo.indices, pseudo.labels):
-        # Words the teacher saw (truncation cuts the rest); a word without a sub-token never gets a label from
-        # the same tokenizer, so its placeholder tag is not trained on.
-        tags = [labels[y] if y is not None else labels[0] for y in word_labels]
-        out.append({"tokens": unlabeled[i]["tokens"][: len(tags)], "ner_tags": tags})
-    return out
-
-
-def pseudo_label_accuracy(task: str, pseudo, hidden_gold: list, labels: list[str]) -> float | None:
+def pseudo_label_accuracy(task: SelfTrainingTask, pseudo, hidden_gold: list, labels: list[str]) -> float | None:
     """Accuracy of the kept pseudo-labels against the held-out gold (per text, or per word for NER)."""
     if not pseudo.indices:
         return None
-    if task == "classification":
-        return float(np.mean([labels[y] == hidden_gold[i] for i, y in zip(pseudo.indices, pseudo.labels)]))
-    hits = [
-        labels[y] == gold
-        for i, word_labels in zip(pseudo.indices, pseudo.labels)
-        for y, gold in zip(word_labels, hidden_gold[i])
-        if y is not None
-    ]
-    return float(np.mean(hits)) if hits else None
+    return task.pseudo_label_accuracy(pseudo, hidden_gold, labels)
 
 
-def student_dataset(task, tokenizer, labelled, pseudo_ex, pseudo, label2id, data, soft: bool):
+def student_dataset(task: SelfTrainingTask, tokenizer, labelled, pseudo_ex, pseudo, label2id, data, soft: bool):
     """Labelled + pseudo-labelled training examples; with ``soft``, each carries ``teacher_logits``."""
-    from datasets import Dataset
-
     examples = [*labelled, *pseudo_ex]  # the labelled examples may be a dataset (Arrow), the pseudo-labelled a list
-    dataset = tokenize(task, examples, tokenizer, label2id, data, train=True)
+    dataset = task.tokenize(examples, tokenizer, label2id, data, train=True)
     if not soft:
         return dataset
-    num_labels = len(label2id)
     teacher = [None] * len(labelled) + list(pseudo.logits)
-    if task == "classification":
-        column = [
-            one_hot_logits(label2id[ex["label"]], num_labels) if t is None else np.asarray(t, dtype=np.float32)
-            for ex, t in zip(examples, teacher)
-        ]
-    else:
-        encodings = tokenizer(
-            [ex["tokens"] for ex in examples],
-            is_split_into_words=True,
-            truncation=True,
-            max_length=data.max_seq_length,
-        )
-        column = [
-            token_teacher_logits(encodings.word_ids(batch_index=i), dataset[i]["labels"], t, num_labels)
-            for i, t in enumerate(teacher)
-        ]
+    column = task.teacher_logits(examples, teacher, dataset, tokenizer, label2id, data)
     return Dataset.from_dict({**dataset.to_dict(), "teacher_logits": [c.tolist() for c in column]})
 
 
 # ---- Results ------------------------------------------------------------------------------------------------------
 
 
-def format_table(task: str, rounds: list[dict]) -> str:
+def format_table(task: SelfTrainingTask, rounds: list[dict]) -> str:
     """One row per round and model: pseudo-labels kept and the task's validation / test metrics."""
-    keys = TABLE_METRICS[task]
+    keys = task.table_metrics
     header = ["round", "model", "pseudo-labels kept", *keys]
     rows = []
     for r in rounds:
@@ -415,41 +344,29 @@ def format_table(task: str, rounds: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def train_teacher(task, data, data_args, model_args, training_args, out: Path) -> dict:
+def train_teacher(task: SelfTrainingTask, data, data_args, model_args, training_args, out: Path) -> dict:
     """Round 1's teacher, trained on the labelled data only: ``{"model", "tokenizer", "accelerator", "metrics"}``."""
     labels = data["labels"]
     label2id = {label: i for i, label in enumerate(labels)}
     model, tokenizer = build_model(
         task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args.seed
     )
-    labelled_dataset = tokenize(task, data["labelled"], tokenizer, label2id, data_args, train=True)
+    labelled_dataset = task.tokenize(data["labelled"], tokenizer, label2id, data_args, train=True)
     model, accelerator, metrics = train_and_evaluate(
         task,
         model,
         tokenizer,
         labelled_dataset,
-        eval_sets(task, data, tokenizer, label2id, data_args),
+        task.evaluation_sets(data["eval"], tokenizer, labels, data_args),
         training_args,
         out / "round_1" / "teacher",
-        labels,
     )
     return {"model": model, "tokenizer": tokenizer, "accelerator": accelerator, "metrics": metrics}
 
 
-def eval_sets(task, data, tokenizer, label2id, data_args) -> dict:
-    """The validation / test sets, tokenized for scoring (NER: every word, first sub-tokens carry the labels)."""
-    if task == "ner":
-        return {
-            split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length, data_args)
-            for split, examples in data["eval"].items()
-        }
-    return {
-        split: tokenize(task, examples, tokenizer, label2id, data_args, train=False)
-        for split, examples in data["eval"].items()
-    }
-
-
-def run_round(r: int, task, teacher: dict, data, data_args, st_args, model_args, training_args, out: Path):
+def run_round(
+    r: int, task: SelfTrainingTask, teacher: dict, data, data_args, st_args, model_args, training_args, out: Path
+):
     """One round: the teacher pseudo-labels, a fresh student trains on labelled + kept pseudo-labelled data.
 
     Returns the round's record and the student, who teaches the next round.
@@ -468,7 +385,7 @@ def run_round(r: int, task, teacher: dict, data, data_args, st_args, model_args,
         desc=f"round {r}: pseudo-labelling",
         crf=getattr(teacher["model"], "crf", None) if training_args.crf else None,
     )
-    pseudo_ex = pseudo_examples(task, data["unlabeled"], pseudo, labels)
+    pseudo_ex = task.pseudo_examples(data["unlabeled"], pseudo, labels)
     pseudo_stats = {
         "unlabeled": len(data["unlabeled"]),
         "kept": len(pseudo.indices),
@@ -487,10 +404,9 @@ def run_round(r: int, task, teacher: dict, data, data_args, st_args, model_args,
         model,
         tokenizer,
         train_dataset,
-        eval_sets(task, data, tokenizer, label2id, data_args),
+        task.evaluation_sets(data["eval"], tokenizer, labels, data_args),
         training_args,
         out / f"round_{r}" / "student",
-        labels,
     )
     record = {"round": r, "teacher": teacher["metrics"], "student": metrics, "pseudo_labels": pseudo_stats}
     return record, {"model": model, "tokenizer": tokenizer, "accelerator": accelerator, "metrics": metrics}
@@ -508,7 +424,7 @@ def main() -> None:
         ],
         description=__doc__,
     )
-    task = data_args.task
+    task = TASKS[data_args.task]
     check_saved_crf(training_args, model_args)
     set_seed(training_args.seed)
     out = Path(training_args.output_dir)
@@ -519,9 +435,9 @@ def main() -> None:
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
-    data = setup_data(data_args)
+    data = setup_data(task, data_args)
     check_label_arguments(training_args, data["labels"])
-    if training_args.crf and task != "ner":
+    if training_args.crf and not task.supports_crf:
         raise DataError(None, None, "--crf true is for --task ner (a CRF over the words of a sentence)")
     if st_args.soft_labels and (training_args.crf or training_args.class_weights is not None):
         raise DataError(
@@ -539,7 +455,7 @@ def main() -> None:
 
     if is_main_process():
         results = {
-            "task": task,
+            "task": data_args.task,
             "labelled": len(data["labelled"]),
             "unlabeled": len(data["unlabeled"]),
             "confidence_threshold": st_args.confidence_threshold,
