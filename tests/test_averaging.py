@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
@@ -24,7 +26,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from nlp_tricks import TricksArguments, TricksTrainer
+from nlp_tricks import TricksArguments, TricksTrainer, _upstream
 from nlp_tricks.averaging import (
     AVERAGING_INFO_NAME,
     EMA,
@@ -561,6 +563,10 @@ def test_checkpoints_of_different_architectures_and_a_crf_in_one_only_are_refuse
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 def test_checkpoints_with_a_crf_average_into_a_crf_model(tmp_path):
     states = []
     for seed in (1, 2):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
@@ -341,6 +342,10 @@ def test_works_on_a_plain_trainer(tmp_path):
 # ---- Two processes (DDP on CPU, gloo) ------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    Version(torch.__version__.split("+")[0]) < Version("2.7"),
+    reason="torch 2.6 cannot load the RNG state a CPU DDP rank saved (storage tagged cpu:0), on any resume",
+)
 def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exact(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -4,12 +4,14 @@ checkpoint written before tricks became objects resumes to the same weights."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
@@ -180,6 +182,11 @@ def test_trick_states_file_round_trips_and_refuses_what_it_cannot_write(tmp_path
         save_trick_states(path, {"a": {"bad": {1, 2}}})
 
 
+@pytest.mark.skipif(
+    transformers.__version__ != json.loads((V0 / "checkpoint-2" / "config.json").read_text())["transformers_version"],
+    reason="the fixture's weights are those of the transformers version that wrote it (its Trainer's data order and "
+    "RNG handling differ between releases)",
+)
 def test_a_checkpoint_written_before_tricks_became_objects_resumes_to_the_same_weights(tmp_path, one_thread):
     """tests/data/checkpoint_v0: checkpoint-2 and the final weights (step 4) of a run with dropout, EMA, FGM, R-Drop
     and accumulation 2, written by the code before the Trick protocol; resuming it now gives the same weights."""
