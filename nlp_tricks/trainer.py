@@ -46,16 +46,13 @@ class TricksTrainer(Trainer):
     logging and checkpoints stay upstream's):
 
     - :meth:`compute_loss` pops the labels, runs the model without its own loss and takes the configured loss on its
-      logits as one written pipeline: the tricks' batch changes (R-Drop doubles it), the forward
-      (:meth:`forward_for_loss`; a CRF computes its loss inside it, scheduled sampling runs two passes), the loss on
-      each head's logits (:meth:`compute_tricks_loss`; multi-sample dropout averages K heads, R-Drop adds its KL),
-      the tricks' ``adjust_loss``, the device scaling. The loss is a sum divided by ``num_items_in_batch`` (the item
-      count of the whole accumulated, all-process batch, each trick counting its own items), so gradient
-      accumulation is exact for every loss. Float labels (regression, multi-label) and regression heads keep the
-      model's own loss, and warn once if a loss trick is set; batches with ``teacher_logits`` get
-      :func:`~nlp_tricks.losses.distillation_loss`; question answering gets the loss over start and end positions;
-      ``compute_loss_func=`` works as on plain Trainer (and refuses the loss tricks it would replace). Causal LMs
-      score the logits at t against the label at t + 1 (docs/decoder_only.md).
+      logits in one written pipeline (:meth:`_compute_labelled_loss`: the tricks' batch, the forward, each head's loss
+      with its terms, their mean, the device scaling; then, in training, the tricks' ``adjust_loss``). The loss is a
+      sum divided by ``num_items_in_batch`` (each trick counting its own items), so gradient accumulation is exact
+      for every loss. Float labels and regression heads keep the model's own loss (a one-time warning names the loss
+      tricks it skips); ``teacher_logits`` batches get :func:`~nlp_tricks.losses.distillation_loss`; question
+      answering the loss over start and end positions; ``compute_loss_func=`` works as on plain Trainer (refusing
+      the loss tricks it would replace); causal LMs score the logits at t against the label at t + 1.
     - :meth:`training_step` is upstream's, unless a trick takes the step (adversarial training's extra passes).
     - :meth:`create_optimizer` builds :meth:`build_optimizer_groups` (no decay on biases and norms, ``head_lr_scale``,
       ``layer_decay``, the tricks' own rules) for the optimizer ``--optim`` names. The logged ``learning_rate`` is the
@@ -181,7 +178,9 @@ class TricksTrainer(Trainer):
             if label_key is None:
                 loss, outputs = self._compute_loss_without_labels(model, inputs)
             else:
-                loss, outputs = self._compute_labelled_loss(model, inputs, label_key, num_items_in_batch)
+                loss, outputs = self._compute_labelled_loss(
+                    model, inputs, label_key, num_items_in_batch, return_outputs
+                )
         if model.training and torch.is_grad_enabled():
             adjusted = self.adjust_loss(inputs, outputs, loss, num_items_in_batch)
             if adjusted is not loss and return_outputs:
@@ -189,7 +188,9 @@ class TricksTrainer(Trainer):
             loss = adjusted
         return (loss, outputs) if return_outputs else loss
 
-    def _compute_labelled_loss(self, model: nn.Module, inputs: dict, label_key: str, num_items_in_batch):
+    def _compute_labelled_loss(
+        self, model: nn.Module, inputs: dict, label_key: str, num_items_in_batch, return_outputs
+    ):
         """The loss pipeline of a batch with one label column; the order of its stages is the contract."""
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
@@ -229,7 +230,8 @@ class TricksTrainer(Trainer):
                         sample_loss = trick.adjust_logits_loss(self, logits, batch, sample_loss)
                     losses.append(sample_loss)
                 loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-                outputs = self.outputs_with_loss(outputs, loss)
+                if return_outputs:  # as a model given labels returns them
+                    outputs = self.outputs_with_loss(outputs, loss)
         # 4. DDP averages gradients over processes: a loss normalised by the all-process count is scaled back up.
         if num_items is not None:
             loss = loss * self.loss_scale_for_devices()

@@ -67,7 +67,14 @@ def env() -> dict:
 
 
 def launch(recipe: str, args: list[str], launcher: str = "cpu", timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `accelerate launch` with cpu.yaml (one process) or `--multi_gpu --num_processes 2` (CPU, gloo)."""
+    """Run a recipe with `accelerate launch`: cpu.yaml (one process) or `--multi_gpu --num_processes 2` (CPU, gloo)."""
+    return launch_script(ROOT / "recipes" / f"{recipe}.py", args, launcher, timeout)
+
+
+def launch_script(
+    script: Path, args: list[str], launcher: str = "cpu", timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run a script as :func:`launch` runs a recipe (``ddp2``: `--multi_gpu` starts 2 processes without GPUs)."""
     if launcher == "cpu":
         prefix = ["-m", "accelerate.commands.launch", "-q", "--config_file", CPU_CONFIG]
     elif launcher == "ddp2":
@@ -88,7 +95,7 @@ def launch(recipe: str, args: list[str], launcher: str = "cpu", timeout: int = 6
         ]
     else:  # plain python, as `accelerate launch` runs a single process
         prefix = []
-    cmd = [sys.executable, *prefix, str(ROOT / "recipes" / f"{recipe}.py"), *args]
+    cmd = [sys.executable, *prefix, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,9 +1,6 @@
 """Adversarial training under real 2-process DDP (gloo on CPU): one all-reduce per step, identical ranks, exactness."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from nlp_tricks import TricksTrainer
+from recipe_helpers import launch_script
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,12 +18,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "adversarial_ddp.py"
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    # --multi_gpu starts 2 processes even without GPUs (gloo); --cpu with --num_processes 2 would start one.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = launch_script(SCRIPT, [str(out)], "ddp2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 

@@ -1,8 +1,5 @@
 """CRF and class weights under real 2-process DDP (gloo on CPU): the step equals one process over the whole batch."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +9,7 @@ from scripts.heads_ddp import SETTINGS, ner_data, ner_model, step_args
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.crf import add_crf
+from recipe_helpers import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "heads_ddp.py"
@@ -20,11 +18,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "heads_ddp.py"
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = launch_script(SCRIPT, [str(out)], "ddp2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 

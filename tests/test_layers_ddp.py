@@ -1,13 +1,12 @@
 """Frozen and thawed layers under real 2-process DDP (gloo on CPU): tests/scripts/layers_ddp.py."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from recipe_helpers import launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "layers_ddp.py"
@@ -17,11 +16,7 @@ FROZEN = ("bert.embeddings.", "bert.encoder.layer.0.")
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(out)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = launch_script(SCRIPT, [str(out)], "ddp2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
