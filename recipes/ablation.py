@@ -372,16 +372,18 @@ def plan_runs(
     max_steps: int | None = None,
     trivial_baselines: list[str] = (),
     yardstick: bool = True,
+    plain_flags: list[str] = (),
 ) -> list[PlannedRun]:
     """Every run of an ablation, nothing started: each configuration (``configs``: name -> recipe flags, the
     baseline first) at each learning rate, seed 1 ... ``seeds`` and fold, with the same flags but its own; the
     yardstick (the baseline's flags with seeds ``seeds`` + 1 ... 2 ``seeds``, in the baseline's folder, so a later
-    ablation with more seeds reuses them); the trivial baselines once per fold (deterministic)."""
+    ablation with more seeds reuses them); the trivial baselines once per fold (deterministic). ``plain_flags`` go
+    first in every model run (``--tricks none``: the baseline is the plain recipe, whatever it turns on by default)."""
     fold_list = list(range(folds)) if folds else [None]
     plan = []
 
     def add(configuration: str, config_flags: list[str], seed: int, lr: str, fold: int | None, folder: str) -> None:
-        flags = ["--seed", str(seed), *config_flags, *recipe_flags]
+        flags = ["--seed", str(seed), *plain_flags, *config_flags, *recipe_flags]
         if lr != "default":
             flags += ["--learning_rate", lr]
         if max_steps is not None:
@@ -533,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         trivial_baselines=[] if args.no_trivial_baselines else TRIVIAL_BASELINES.get(task, []),
         yardstick=not args.no_yardstick,
+        # The recipes' evidence defaults (e.g. NER's CRF) off: every row is the plain recipe plus its own flags.
+        plain_flags=["--tricks", "none"] if hasattr(recipe, "EVIDENCE_DEFAULTS") else [],
     )
     if args.dry_run:
         todo = [job for job in jobs if finished_record(job.run_dir, job.flags) is None]

@@ -147,7 +147,18 @@ class ModelArguments:
 
 @dataclass
 class RunArguments:
-    """How long the run may take (every recipe has these; parse_recipe_args applies them)."""
+    """The run itself: its time budget and the recipe's tricks on by default (every recipe has these;
+    parse_recipe_args applies them)."""
+
+    tricks: str = field(
+        default="default",
+        metadata={
+            "choices": ["default", "none"],
+            "help": "'default': the tricks this recipe turns on because its cross-validated evidence shows a gain "
+            "beyond seed noise (docs/evidence.md; the recipe's flags list them); 'none': the plain baseline, only "
+            "the tricks you give by flag. A trick's own flag always wins (--tricks default --crf false).",
+        },
+    )
 
     max_time: str | None = field(
         default=None,
@@ -172,6 +183,7 @@ def parse_recipe_args(
     argv: list[str] | None = None,
     dependent_defaults: tuple[str | Callable, dict] | list[tuple[str | Callable, dict]] | None = None,
     description: str | None = None,
+    evidence_defaults: dict | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
 
@@ -182,10 +194,11 @@ def parse_recipe_args(
     (``--do_train false`` evaluates the model as it is). ``dependent_defaults`` ``(field, {value: {name: default}})``
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
     function of the parsed namespace instead (pretraining: whether the demo is used; NER: whether the model holds a
-    CRF); a list of such pairs applies each. ``--save_steps N`` without ``--save_strategy`` saves every N steps.
-    ``--help`` opens with ``description`` (the recipe's docstring up
-    to its "Features:") and lists the flags in groups: data, model (and any other dataclass of the recipe), tricks
-    (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A value the arguments reject prints one line
+    CRF); a list of such pairs applies each. ``evidence_defaults`` (``{name: value}``) are the tricks the recipe turns
+    on by default, unless given or ``--tricks none``. ``--save_steps N`` without ``--save_strategy`` saves every N
+    steps. ``--help`` opens with ``description`` (the recipe's docstring up to its "Features:") and lists the flags
+    in groups: data, model (and any other dataclass of the recipe), tricks (``TricksArguments``' own fields), Trainer
+    (``TrainingArguments``). A value the arguments reject prints one line
     (the error and a pointer to ``--help``, without the usage block) and exits with status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -220,6 +233,10 @@ def parse_recipe_args(
             "half-written is skipped with a warning), or give a checkpoint folder. Checkpoints are written with "
             "--save_steps N (or --save_strategy epoch), and by a run stopped by SIGTERM or --max_time."
         )
+    evidence_defaults = evidence_defaults or {}
+    actions["tricks"].help += (
+        " This recipe's: " + (", ".join(f"--{k} {v}" for k, v in evidence_defaults.items()) or "none yet") + "."
+    )
     if "enable_jit_checkpoint" in actions:
         actions["enable_jit_checkpoint"].help = (
             "On SIGTERM or SIGUSR1 (a preemption: Kubernetes, SLURM's --signal, spot instances), finish the current "
@@ -237,13 +254,13 @@ def parse_recipe_args(
         for option in action.option_strings
         if any(arg == option or arg.startswith(option + "=") for arg in argv)
     }
-    if dependent_defaults is not None:
-        pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
-        for key, by_value in pairs:
-            value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
-            for name, value in by_value.get(value_of_key, {}).items():
-                if name not in given:
-                    setattr(namespace, name, value)
+    pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
+    pairs = [pair for pair in pairs if pair is not None] + [("tricks", {"default": evidence_defaults})]
+    for key, by_value in pairs:
+        value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
+        for name, value in by_value.get(value_of_key, {}).items():
+            if name not in given:
+                setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:

@@ -128,6 +128,14 @@ def test_plan_runs_pairs_every_configuration_with_the_baseline_by_seed_and_fold(
     # The trivial baseline: deterministic, once per fold; nothing else was planned.
     assert sorted(runs) == [("gazetteer", "-", 1, fold) for fold in range(5)]
     assert len({r.run_dir for r in plan}) == len(plan)
+    # plain_flags (the ablation's --tricks none) go into every model run, right after the seed; not the gazetteer's.
+    plain = ablation.plan_runs("ner.py", configs, ["default"], 1, None, tmp_path, trivial_baselines=["gazetteer"],
+                               plain_flags=["--tricks", "none"])  # fmt: skip
+    assert {tuple(r.flags[:4]) for r in plain if r.configuration != "gazetteer"} == {
+        ("--seed", "1", "--tricks", "none"),
+        ("--seed", "2", "--tricks", "none"),
+    }
+    assert [r.flags for r in plain if r.configuration == "gazetteer"] == [["--baseline", "gazetteer"]]
     assert not [r for r in ablation.plan_runs("ner.py", configs, ["default"], 2, None, tmp_path, yardstick=False)
                 if r.configuration == "yardstick"]  # fmt: skip
 

@@ -68,6 +68,33 @@ def test_self_training_task_defaults_parse_once(argv, expected):
     assert parsed[-1].learning_rate == expected
 
 
+@pytest.mark.parametrize(
+    "argv, crf, ema_decay",
+    [
+        ([], True, 0.99),  # --tricks default: the recipe's evidence defaults
+        (["--tricks", "none"], False, 0.0),  # the plain baseline
+        (["--crf", "false"], False, 0.99),  # a trick's own flag wins over --tricks default
+        (["--tricks", "none", "--crf", "true"], True, 0.0),  # plain plus the one trick given
+    ],
+)
+def test_tricks_default_turns_on_the_evidence_defaults_unless_given_or_none(argv, crf, ema_decay):
+    evidence = {"crf": True, "ema_decay": 0.99}
+    *_, training = parse_recipe_args(NER_TYPES, "ner", argv=argv, evidence_defaults=evidence)
+    assert (training.crf, training.ema_decay) == (crf, ema_decay)
+    *_, plain = parse_recipe_args(NER_TYPES, "ner", argv=[])  # a recipe without evidence defaults: plain
+    assert (plain.crf, plain.ema_decay) == (False, 0.0)
+
+
+def test_recipe_tricks_help_names_its_evidence_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_recipe_args(NER_TYPES, "ner", argv=["--help"], evidence_defaults={"crf": True})
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "This recipe's: --crf True." in help_text
+    with pytest.raises(SystemExit) as info:
+        parse_recipe_args(NER_TYPES, "ner", argv=["--tricks", "some"])
+    assert info.value.code == 2
+
+
 @pytest.fixture
 def fake_launcher(monkeypatch):
     """A stand-in `accelerate launch` parent process whose environment and command line the test chooses."""
