@@ -184,6 +184,7 @@ def parse_recipe_args(
     dependent_defaults: tuple[str | Callable, dict] | list[tuple[str | Callable, dict]] | None = None,
     description: str | None = None,
     evidence_defaults: dict | None = None,
+    evidence_unless: str | None = None,
 ):
     """Parse the command line, once, into the dataclasses.
 
@@ -195,7 +196,9 @@ def parse_recipe_args(
     picks more defaults by the parsed value of ``field`` (self-training's task), unless given; ``field`` may be a
     function of the parsed namespace instead (pretraining: whether the demo is used; NER: whether the model holds a
     CRF); a list of such pairs applies each. ``evidence_defaults`` (``{name: value}``) are the tricks the recipe turns
-    on by default, unless given or ``--tricks none``. ``--save_steps N`` without ``--save_strategy`` saves every N
+    on by default, unless given, ``--tricks none`` or the boolean flag ``evidence_unless`` is on (where the evidence
+    was not measured); when they do not combine with a flag the user gave, they are left off with a warning (what the
+    user asked for wins). ``--save_steps N`` without ``--save_strategy`` saves every N
     steps. ``--help`` opens with ``description`` (the recipe's docstring up to its "Features:") and lists the flags
     in groups: data, model (and any other dataclass of the recipe), tricks (``TricksArguments``' own fields), Trainer
     (``TrainingArguments``). A value the arguments reject prints one line
@@ -235,7 +238,10 @@ def parse_recipe_args(
         )
     evidence_defaults = evidence_defaults or {}
     actions["tricks"].help += (
-        " This recipe's: " + (", ".join(f"--{k} {v}" for k, v in evidence_defaults.items()) or "none yet") + "."
+        " This recipe's: "
+        + (", ".join(f"--{k} {v}" for k, v in evidence_defaults.items()) or "none yet")
+        + (f" (not with --{evidence_unless})" if evidence_defaults and evidence_unless else "")
+        + "."
     )
     if "enable_jit_checkpoint" in actions:
         actions["enable_jit_checkpoint"].help = (
@@ -254,24 +260,43 @@ def parse_recipe_args(
         for option in action.option_strings
         if any(arg == option or arg.startswith(option + "=") for arg in argv)
     }
-    pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
-    pairs = [pair for pair in pairs if pair is not None] + [("tricks", {"default": evidence_defaults})]
-    for key, by_value in pairs:
-        value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
-        for name, value in by_value.get(value_of_key, {}).items():
-            if name not in given:
-                setattr(namespace, name, value)
+    if dependent_defaults is not None:
+        pairs = dependent_defaults if isinstance(dependent_defaults, list) else [dependent_defaults]
+        for key, by_value in pairs:
+            value_of_key = key(namespace) if callable(key) else getattr(namespace, key)
+            for name, value in by_value.get(value_of_key, {}).items():
+                if name not in given:
+                    setattr(namespace, name, value)
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:
         set_time_budget(namespace.max_time)
     except ValueError as err:
         parser.error(f"--max_time: {err}")
-    try:
+
+    def build():
         return tuple(
             dtype(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(dtype) if f.init})
             for dtype in dataclass_types
         )
+
+    evidence_on = namespace.tricks == "default" and not (evidence_unless and getattr(namespace, evidence_unless))
+    applied = {n: v for n, v in evidence_defaults.items() if evidence_on and n not in given}
+    plain = {name: getattr(namespace, name) for name in applied}
+    for name, value in applied.items():
+        setattr(namespace, name, value)
+    try:
+        try:
+            return build()
+        except ValueError as err:
+            if not applied:
+                raise
+            for name, value in plain.items():  # what the user gave wins over the recipe's defaults
+                setattr(namespace, name, value)
+            parsed = build()
+            flags = " ".join(f"--{n} {v}" for n, v in applied.items())
+            warn(f"{flags} (this recipe's default, --tricks default) is left off: {str(err).splitlines()[0]}")
+            return parsed
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
 

@@ -137,7 +137,7 @@ ner_run() {
     shift 2
     local precision=("$@")
     run_step "$name" 90 "$PY" -m accelerate.commands.launch "${LAUNCH[@]}" "${precision[@]:0:2}" recipes/ner.py \
-        --output_dir "$OUT/$name" --adversarial "$method" "${NER_SIZE[@]}" "${precision[@]:2}" \
+        --output_dir "$OUT/$name" --tricks none --adversarial "$method" "${NER_SIZE[@]}" "${precision[@]:2}" \
         --eval_strategy no --learning_rate 1e-4 --disable_tqdm true --seed 0
     DETAILS=""
     check "$name" "$NER_CHECK"

@@ -100,7 +100,11 @@ def launch_script(
 
 
 def tiny_args(model: str, out: Path, *extra: str) -> list[str]:
+    """A short run of a tiny model; ``--tricks none``: the plain recipe, plus the tricks in ``extra`` (the tests of
+    the recipes' evidence defaults leave it out)."""
     return [
+        "--tricks",
+        "none",
         "--model_name_or_path",
         model,
         "--output_dir",

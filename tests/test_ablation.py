@@ -198,7 +198,7 @@ def test_dry_run_lists_the_runs_and_starts_none(tmp_path, capsys):
     printed = capsys.readouterr().out
     # 3 configurations and the yardstick, 2 seeds, 2 folds; the gazetteer once per fold.
     assert "[ablation] 18 runs planned, 0 finished, 18 to run" in printed
-    assert "--seed 1 --adversarial awp --adv_start_step 3 --num_folds 2 --fold 1" in printed
+    assert "--seed 1 --tricks none --adversarial awp --adv_start_step 3 --num_folds 2 --fold 1" in printed
     assert not out.exists()
     with pytest.raises(SystemExit) as exit_info:
         ablation.main(["--recipe", "ner", "--output_dir", str(out), "--add_configuration", "late", "--dry_run"])

@@ -85,6 +85,24 @@ def test_tricks_default_turns_on_the_evidence_defaults_unless_given_or_none(argv
     assert (plain.crf, plain.ema_decay) == (False, 0.0)
 
 
+def test_evidence_defaults_yield_to_a_flag_they_do_not_combine_with(caplog):
+    """--loss_type focal given: the CRF (which replaces the loss) is left off with a warning, not an error; a bad value
+    of the user's own is still one line and exit 2; --multi_label-style switches keep the evidence off."""
+    *_, training = parse_recipe_args(NER_TYPES, "ner", argv=["--loss_type", "focal"], evidence_defaults={"crf": True})
+    assert (training.crf, training.loss_type) == (False, "focal")
+    assert (
+        "--crf True (this recipe's default, --tricks default) is left off: crf=True replaces the loss" in caplog.text
+    )
+    with pytest.raises(SystemExit) as info:
+        parse_recipe_args(NER_TYPES, "ner", argv=["--layer_decay", "7"], evidence_defaults={"crf": True})
+    assert info.value.code == 2
+    kept_off = parse_recipe_args(
+        NER_TYPES, "ner", argv=["--label_all_tokens", "true"], evidence_defaults={"crf": True},
+        evidence_unless="label_all_tokens",
+    )  # fmt: skip
+    assert kept_off[-1].crf is False
+
+
 def test_recipe_tricks_help_names_its_evidence_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_recipe_args(NER_TYPES, "ner", argv=["--help"], evidence_defaults={"crf": True})
