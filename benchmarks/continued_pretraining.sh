@@ -18,7 +18,7 @@ SEEDS=${2:-1 2 3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1
 mkdir -p "$OUT"
 LAUNCH=(accelerate launch -q --config_file accelerate_configs/cpu.yaml)
-CLASSIFY=(--max_train_samples 50 --num_train_epochs 10 --eval_strategy no --disable_tqdm true)
+CLASSIFY=(--tricks none --max_train_samples 50 --num_train_epochs 10 --eval_strategy no --disable_tqdm true)
 
 run() {  # name, command...; a run whose all_results.json exists is kept (rerun the script to add seeds)
     local name=$1

@@ -337,7 +337,9 @@ def write_plot(table: list[dict], metric: str, path: Path) -> bool:
     ax.set_xticks(list(x), [r["configuration"] for r in rows], rotation=25, ha="right")
     ax.set_ylabel(f"{metric} minus baseline")
     method = rows[0]["difference"].get("interval", "examples only")
-    ax.set_title(f"Difference from the baseline, 95% interval over {method} (green: excludes 0)", fontsize=9)
+    ax.set_title(
+        f"Difference from the baseline, 95% interval over {method}\n(green: the interval excludes 0)", fontsize=9
+    )
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -6,16 +6,16 @@
         --model_name_or_path roberta-base --dataset_name ag_news --loss_type focal
     accelerate launch recipes/classification.py --train_file train.csv --validation_file dev.csv \\
         --text_column text --label_column label
-    accelerate launch recipes/classification.py --train_file mnli_train.tsv --text_column premise \
+    accelerate launch recipes/classification.py --train_file mnli_train.tsv --text_column premise \\
         --text_pair_column hypothesis                         # sentence pairs (NLI, paraphrase)
     accelerate launch recipes/classification.py --train_file tags.csv --multi_label true --label_delimiter ";"
     accelerate launch recipes/classification.py my_run.yaml   # all arguments from one YAML / JSON file
     accelerate launch recipes/classification.py --tricks none # the plain baseline: no trick you did not give
 
 Focal loss is on by default (``--tricks default``): in the 3-seed cross-validated ablation (docs/evidence.md; BBC with
-50 training articles per fold) it is the gain beyond seed noise. A flag of yours that does not combine with it
-(``--loss_type``, ``--label_smoothing_factor``, ``--class_weights``) turns it off with a warning; ``--multi_label``
-trains without it.
+50 training articles per fold) it is the gain beyond seed noise. Your own ``--loss_type`` replaces it; a flag that
+does not combine with it (``--label_smoothing_factor``, ``--class_weights``) turns it off with a warning;
+``--multi_label`` trains without it.
 
 Features:
 

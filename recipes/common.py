@@ -155,8 +155,9 @@ class RunArguments:
         metadata={
             "choices": ["default", "none"],
             "help": "'default': the tricks this recipe turns on because its cross-validated evidence shows a gain "
-            "beyond seed noise (docs/evidence.md; the recipe's flags list them); 'none': the plain baseline, only "
-            "the tricks you give by flag. A trick's own flag always wins (--tricks default --crf false).",
+            "beyond seed noise (docs/evidence.md; listed below); 'none': the plain baseline, only the tricks you "
+            "give by flag. A trick's own flag always wins (--crf false), and a default that does not combine with "
+            "a flag you gave is left off with a warning.",
         },
     )
 
@@ -239,7 +240,7 @@ def parse_recipe_args(
     evidence_defaults = evidence_defaults or {}
     actions["tricks"].help += (
         " This recipe's: "
-        + (", ".join(f"--{k} {v}" for k, v in evidence_defaults.items()) or "none yet")
+        + (", ".join(_as_flags(evidence_defaults)) or "none yet")
         + (f" (not with --{evidence_unless})" if evidence_defaults and evidence_unless else "")
         + "."
     )
@@ -294,11 +295,16 @@ def parse_recipe_args(
             for name, value in plain.items():  # what the user gave wins over the recipe's defaults
                 setattr(namespace, name, value)
             parsed = build()
-            flags = " ".join(f"--{n} {v}" for n, v in applied.items())
+            flags = " ".join(_as_flags(applied))
             warn(f"{flags} (this recipe's default, --tricks default) is left off: {str(err).splitlines()[0]}")
             return parsed
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+
+def _as_flags(values: dict) -> list[str]:
+    """``{"crf": True}`` -> ``["--crf true"]``: values as they are typed on the command line."""
+    return [f"--{name} {str(value).lower() if isinstance(value, bool) else value}" for name, value in values.items()]
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -91,7 +91,7 @@ def test_evidence_defaults_yield_to_a_flag_they_do_not_combine_with(caplog):
     *_, training = parse_recipe_args(NER_TYPES, "ner", argv=["--loss_type", "focal"], evidence_defaults={"crf": True})
     assert (training.crf, training.loss_type) == (False, "focal")
     assert (
-        "--crf True (this recipe's default, --tricks default) is left off: crf=True replaces the loss" in caplog.text
+        "--crf true (this recipe's default, --tricks default) is left off: crf=True replaces the loss" in caplog.text
     )
     with pytest.raises(SystemExit) as info:
         parse_recipe_args(NER_TYPES, "ner", argv=["--layer_decay", "7"], evidence_defaults={"crf": True})
@@ -107,7 +107,7 @@ def test_recipe_tricks_help_names_its_evidence_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_recipe_args(NER_TYPES, "ner", argv=["--help"], evidence_defaults={"crf": True})
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "This recipe's: --crf True." in help_text
+    assert "This recipe's: --crf true." in help_text
     with pytest.raises(SystemExit) as info:
         parse_recipe_args(NER_TYPES, "ner", argv=["--tricks", "some"])
     assert info.value.code == 2
