@@ -199,11 +199,11 @@ def parse_recipe_args(
     CRF); a list of such pairs applies each. ``evidence_defaults`` (``{name: value}``) are the tricks the recipe turns
     on by default, unless given, ``--tricks none`` or the boolean flag ``evidence_unless`` is on (where the evidence
     was not measured); when they do not combine with a flag the user gave, they are left off with a warning (what the
-    user asked for wins). ``--save_steps N`` without ``--save_strategy`` saves every N
-    steps. ``--help`` opens with ``description`` (the recipe's docstring up to its "Features:") and lists the flags
-    in groups: data, model (and any other dataclass of the recipe), tricks (``TricksArguments``' own fields), Trainer
-    (``TrainingArguments``). A value the arguments reject prints one line
-    (the error and a pointer to ``--help``, without the usage block) and exits with status 2, as argparse does.
+    user asked for wins). ``--save_steps N`` without ``--save_strategy`` saves every N steps. ``--help`` opens with
+    ``description`` (the recipe's docstring up to its "Features:") and lists the flags in groups: data, model (and
+    any other dataclass of the recipe), tricks (``TricksArguments``' own fields), Trainer (``TrainingArguments``). A
+    value the arguments reject prints one line (the error and a pointer to ``--help``, without the usage block) and
+    exits with status 2, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults = {

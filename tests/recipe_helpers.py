@@ -99,6 +99,14 @@ def launch_script(
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+def ner_files(tmp_path: Path) -> list[str]:
+    """TRAIN_CONLL and TEST_CONLL written to ``tmp_path``, as the NER recipe's data flags (test also validates)."""
+    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    test = str(tmp_path / "test.conll")
+    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test, "--test_file", test]
+
+
 def tiny_args(model: str, out: Path, *extra: str) -> list[str]:
     """A short run of a tiny model; ``--tricks none``: the plain recipe, plus the tricks in ``extra`` (the tests of
     the recipes' evidence defaults leave it out)."""

@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 import nlp_tricks.tricks.loss as loss_module
-from recipe_helpers import CLS_ROWS, TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args, write_csv
+from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 
 
 def recipe_args(model, out, *extra, plain=False):
@@ -17,26 +17,18 @@ def recipe_args(model, out, *extra, plain=False):
     return args if plain else args[2:]
 
 
-@pytest.fixture
-def ner_files(tmp_path):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    test = str(tmp_path / "test.conll")
-    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test, "--test_file", test]
-
-
 @pytest.mark.parametrize("plain", [False, True])
-def test_ner_trains_a_crf_by_default_and_tricks_none_does_not(tiny_model, tmp_path, monkeypatch, ner_files, plain):
+def test_ner_trains_a_crf_by_default_and_tricks_none_does_not(tiny_model, tmp_path, monkeypatch, plain):
     out = tmp_path / "out"
-    assert run_in_process("ner", recipe_args(tiny_model, out, *ner_files, plain=plain), monkeypatch) == 0
+    assert run_in_process("ner", recipe_args(tiny_model, out, *ner_files(tmp_path), plain=plain), monkeypatch) == 0
     saved_crf = "crf.transitions" in load_file(str(out / "model.safetensors"))
     assert saved_crf is (not plain)
     assert json.loads((out / "config.json").read_text()).get("crf", False) is (not plain)
 
 
-def test_ner_flag_that_excludes_the_crf_turns_it_off_with_a_warning(tiny_model, tmp_path, monkeypatch, ner_files):
+def test_ner_flag_that_excludes_the_crf_turns_it_off_with_a_warning(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    args = recipe_args(tiny_model, out, *ner_files, "--loss_type", "focal")
+    args = recipe_args(tiny_model, out, *ner_files(tmp_path), "--loss_type", "focal")
     assert run_in_process("ner", args, monkeypatch) == 0
     assert "crf.transitions" not in load_file(str(out / "model.safetensors"))
 

@@ -17,14 +17,7 @@ from nlp_tricks.crf import CRF, load_crf_model
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import ner_pseudo_labels
 from nlp_tricks.tricks.loss import LossFunction
-from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
-
-
-def ner_files(tmp_path) -> list[str]:
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    test = str(tmp_path / "test.conll")
-    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test, "--test_file", test]
+from recipe_helpers import TRAIN_CONLL, ner_files, run_in_process, tiny_args
 
 
 def last_line(capsys) -> str:

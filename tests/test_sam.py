@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import default_data_collator
 
-from nlp_tricks import Trick, TricksArguments, TricksTrainer
+from nlp_tricks import Trick, TricksArguments
 from nlp_tricks.sam import SAM
-from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
+from tiny import bert_seq_cls, bert_token_cls, one_sgd_step_trainer, seq_cls_data, token_cls_data
 
 # ---- References: the classic implementations written out ------------------------------------------------------------
 
@@ -184,16 +184,7 @@ def test_module_unscales_restores_bitwise_and_skips_inf():
 
 
 def _train(tmp_path, model, data, grad_scaler=None, tricks=(), **overrides):
-    kwargs = dict(
-        max_steps=1,
-        optim="sgd",
-        learning_rate=0.5,
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-    )
-    kwargs.update(overrides)
-    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **kwargs), train_dataset=data, tricks=list(tricks))
+    trainer = one_sgd_step_trainer(tmp_path, model, data, tricks, **overrides)
     if grad_scaler is not None:  # Accelerate builds its fp16 scaler on CUDA only: the same path, on the CPU
         trainer.accelerator.scaler = grad_scaler
     trainer.train()

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import default_data_collator
 
-from nlp_tricks import Trick, TricksArguments, TricksTrainer
+from nlp_tricks import Trick, TricksArguments
 from nlp_tricks.smart import SMART
 from nlp_tricks.tricks.smart import SmoothnessRegularization
-from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
+from tiny import bert_seq_cls, bert_token_cls, one_sgd_step_trainer, seq_cls_data, token_cls_data
 
 SETTING = dict(epsilon=0.05, step_size=0.02, steps=2, noise_std=0.01)
 
@@ -125,16 +125,7 @@ class RecordRNG(Trick):
 
 
 def _train(tmp_path, model, data, tricks=(), **overrides):
-    kwargs = dict(
-        max_steps=1,
-        optim="sgd",
-        learning_rate=0.5,
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-    )
-    kwargs.update(overrides)
-    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **kwargs), train_dataset=data, tricks=list(tricks))
+    trainer = one_sgd_step_trainer(tmp_path, model, data, tricks, **overrides)
     smart = trainer.get_trick(SmoothnessRegularization)
     if smart is not None:
         # The references' sigma: at the paper's 1e-5 the first ascent direction is a difference of nearly equal

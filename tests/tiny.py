@@ -160,6 +160,23 @@ def tricks_args(tmp_path, **overrides) -> TricksArguments:
     return TricksArguments(**kwargs)
 
 
+def one_sgd_step_trainer(tmp_path, model, data, tricks=(), **overrides):
+    """A TricksTrainer for one plain SGD step at lr 0.5 over ``data`` in order (no decay, no clipping): the setting in
+    which the tests write a trick's step out by hand."""
+    from nlp_tricks import TricksTrainer
+
+    kwargs = dict(
+        max_steps=1,
+        optim="sgd",
+        learning_rate=0.5,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+    )
+    kwargs.update(overrides)
+    return TricksTrainer(model=model, args=tricks_args(tmp_path, **kwargs), train_dataset=data, tricks=list(tricks))
+
+
 WORDPIECES = (
     "the",
     "cat",
