@@ -18,7 +18,7 @@ from transformers import default_data_collator
 from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, TricksTrainer, build_param_groups
 from resume_helpers import killed_in_child, truncate
-from tiny import bert_token_cls, token_cls_data, tricks_args
+from tiny import bert_token_cls, one_sgd_step_trainer, token_cls_data, tricks_args
 from tiny_causal import causal_lm_data, gpt2_lm, llama_lm
 
 LR = 1e-3
@@ -202,14 +202,10 @@ def test_trainer_step_on_a_peft_causal_lm_equals_the_classic_recipe(tmp_path, me
     model = lora_causal_lm("gpt2")
     ref, weight = _classic_reference(model)
     _classic_causal_sgd_step(ref, weight, data, micro_batch=4, lr=0.5, attack=ATTACKS[method][1])
-    args = tricks_args(
+    trainer = one_sgd_step_trainer(
         tmp_path,
-        max_steps=1,
-        optim="sgd",
-        learning_rate=0.5,
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
+        model,
+        data,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         adversarial=method,
@@ -218,7 +214,7 @@ def test_trainer_step_on_a_peft_causal_lm_equals_the_classic_recipe(tmp_path, me
         adv_steps=3,
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    TricksTrainer(model=model, args=args, train_dataset=data).train()
+    trainer.train()
     for name, p in ref.named_parameters():
         if "lora_" in name:
             assert not torch.equal(p, before[name]), f"{name} did not train"
