@@ -99,12 +99,14 @@ def launch_script(
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def ner_files(tmp_path: Path) -> list[str]:
-    """TRAIN_CONLL and TEST_CONLL written to ``tmp_path``, as the NER recipe's data flags (test also validates)."""
+def ner_files(tmp_path: Path, *, predict: bool = True) -> list[str]:
+    """TRAIN_CONLL and TEST_CONLL written to ``tmp_path``, as the NER recipe's data flags: the test file validates,
+    and is also the ``--test_file`` unless ``predict=False``."""
     (tmp_path / "train.conll").write_text(TRAIN_CONLL)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
     test = str(tmp_path / "test.conll")
-    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test, "--test_file", test]
+    flags = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test]
+    return flags + ["--test_file", test] if predict else flags
 
 
 def tiny_args(model: str, out: Path, *extra: str) -> list[str]:

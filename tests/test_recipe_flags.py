@@ -6,13 +6,7 @@ import pytest
 import torch
 
 from nlp_tricks.losses import focal_alpha_weights, focal_loss
-from recipe_helpers import CLS_ROWS, TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args, write_csv
-
-
-def ner_files(tmp_path) -> list[str]:
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
+from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 
 
 def last_line(capsys) -> str:
@@ -23,7 +17,7 @@ def last_line(capsys) -> str:
 
 def test_save_steps_alone_saves_and_resume_true_continues(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--save_steps", "1")
+    args = tiny_args(tiny_model, out, *ner_files(tmp_path, predict=False), "--save_steps", "1")
     assert run_in_process("ner", args, monkeypatch) == 0
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     # --max_steps 4 from checkpoint-2: two more steps.
@@ -34,7 +28,7 @@ def test_save_steps_alone_saves_and_resume_true_continues(tiny_model, tmp_path, 
 
 def test_resume_true_without_checkpoint_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--resume_from_checkpoint", "true")
+    args = tiny_args(tiny_model, out, *ner_files(tmp_path, predict=False), "--resume_from_checkpoint", "true")
     assert run_in_process("ner", args, monkeypatch) == 1
     line = last_line(capsys)
     assert line.startswith("--resume_from_checkpoint true: no complete checkpoint-N in") and str(out) in line
@@ -42,7 +36,7 @@ def test_resume_true_without_checkpoint_is_one_line(tiny_model, tmp_path, monkey
 
 def test_do_train_false_evaluates_the_model_as_it_is(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--do_train", "false")
+    args = tiny_args(tiny_model, out, *ner_files(tmp_path, predict=False), "--do_train", "false")
     assert run_in_process("ner", args, monkeypatch) == 0
     results = json.loads((out / "all_results.json").read_text())
     assert "eval_f1" in results and "train_loss" not in results
@@ -72,7 +66,13 @@ def test_focal_alpha_one_value_weighs_the_background_against_the_rest():
 
 def test_focal_alpha_one_value_trains_ner(tiny_model, tmp_path, monkeypatch):
     args = tiny_args(
-        tiny_model, tmp_path / "out", *ner_files(tmp_path), "--loss_type", "focal", "--focal_alpha", "0.25"
+        tiny_model,
+        tmp_path / "out",
+        *ner_files(tmp_path, predict=False),
+        "--loss_type",
+        "focal",
+        "--focal_alpha",
+        "0.25",
     )
     assert run_in_process("ner", args, monkeypatch) == 0
 
@@ -90,14 +90,14 @@ def test_focal_alpha_that_does_not_fit_the_labels_is_one_line(tiny_model, tmp_pa
 
 def test_hub_id_while_offline_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = tiny_args("no-such-org/no-such-model", tmp_path / "out", *ner_files(tmp_path))
+    args = tiny_args("no-such-org/no-such-model", tmp_path / "out", *ner_files(tmp_path, predict=False))
     assert run_in_process("ner", args, monkeypatch) == 1
     assert last_line(capsys).startswith("--model_name_or_path no-such-org/no-such-model: cannot load it")
 
 
 def test_a_trained_head_of_another_size_needs_ignore_mismatched_sizes(tiny_model, tmp_path, monkeypatch, capsys):
     first = tmp_path / "first"
-    assert run_in_process("ner", tiny_args(tiny_model, first, *ner_files(tmp_path)), monkeypatch) == 0
+    assert run_in_process("ner", tiny_args(tiny_model, first, *ner_files(tmp_path, predict=False)), monkeypatch) == 0
     (tmp_path / "other.conll").write_text("Mary B-PER\nran O\n\nthe O\ncat B-ANIMAL\n\na O\ndog B-ANIMAL\n")
     args = tiny_args(str(first), tmp_path / "second", "--train_file", str(tmp_path / "other.conll"))
     assert run_in_process("ner", args, monkeypatch) == 1

