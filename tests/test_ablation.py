@@ -9,21 +9,18 @@ import sys
 import numpy as np
 import pytest
 
-from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env
+from recipe_helpers import ROOT, TRAIN_CONLL, env, ner_files
 
 import ablation
 
 
 def test_ablation_tiny_ner(tiny_model, tmp_path):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "abl"
     command = [
         sys.executable, str(ROOT / "recipes" / "ablation.py"), "--recipe", "ner", "--seeds", "2", "--max_steps", "2",
         "--jobs", "2", "--configurations", "baseline,fgm", "--output_dir", str(out), "--",
-        "--model_name_or_path", tiny_model, "--train_file", str(tmp_path / "train.conll"),
-        "--validation_file", str(tmp_path / "test.conll"), "--test_file", str(tmp_path / "test.conll"),
-        "--per_device_train_batch_size", "2", "--disable_tqdm", "true", "--logging_steps", "1",
+        "--model_name_or_path", tiny_model, *ner_files(tmp_path), "--per_device_train_batch_size", "2",
+        "--disable_tqdm", "true", "--logging_steps", "1",
     ]  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

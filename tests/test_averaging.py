@@ -38,7 +38,7 @@ from nlp_tricks.averaging import (
 from nlp_tricks.checkpoint import CheckpointMismatchError
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.crf import add_crf, load_crf_model
-from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
+from recipe_helpers import ner_files, run_in_process, tiny_args
 from scripts import resume_run
 from tiny import bert_config, bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
 
@@ -499,11 +499,8 @@ def test_swa_last_k_loads_the_mean_of_the_k_newest_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("configuration", ["ema", "swa"])
 def test_ner_recipe_runs_the_ablation_rows(configuration, tiny_model, tmp_path, monkeypatch):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "out"
-    flags = [f"--{split}_file={tmp_path / 'test.conll'}" for split in ("validation", "test")]
-    flags += [f"--train_file={tmp_path / 'train.conll'}", *CONFIGURATIONS[configuration]]
+    flags = [*ner_files(tmp_path), *CONFIGURATIONS[configuration]]
     if configuration == "swa":  # 2 steps here: save after each, average both (the last value of a flag wins)
         flags += ["--save_steps", "1", "--swa_last_k", "2"]
     assert run_in_process("ner", tiny_args(tiny_model, out, *flags), monkeypatch) == 0

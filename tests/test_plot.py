@@ -123,12 +123,10 @@ def test_a_json_that_is_not_a_trainer_state_is_one_line(tmp_path, capsys, conten
 
 
 def test_self_training_outputs_are_plotted(tiny_model, tmp_path, monkeypatch):
-    from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, tiny_args
+    from recipe_helpers import ner_files, run_in_process, tiny_args
 
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "out"
-    files = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
+    files = ner_files(tmp_path, predict=False)
     args = tiny_args(tiny_model, out, "--task", "ner", *files, "--unlabeled_fraction", "0.5", "--rounds", "2")
     assert run_in_process("self_training", args, monkeypatch) == 0
     written = main(["plot", str(out)])

@@ -22,6 +22,7 @@ from recipe_helpers import (
     assert_saved,
     demo_installed,
     launch,
+    ner_files,
     run_in_process,
     tiny_args,
     write_csv,
@@ -34,22 +35,8 @@ NER_KEYS = ["eval_f1", "eval_precision", "eval_recall", "eval_accuracy", "test_f
 
 
 def test_ner_local_conll_cpu_config(tiny_model, tmp_path):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "out"
-    proc = launch(
-        "ner",
-        tiny_args(
-            tiny_model,
-            out,
-            "--train_file",
-            str(tmp_path / "train.conll"),
-            "--validation_file",
-            str(tmp_path / "test.conll"),
-            "--test_file",
-            str(tmp_path / "test.conll"),
-        ),
-    )
+    proc = launch("ner", tiny_args(tiny_model, out, *ner_files(tmp_path)))
     assert_ok(proc)
     results = assert_saved(out, "test_predictions.txt", NER_KEYS)
     assert results["train_samples"] == 3 and results["test_samples"] == 2

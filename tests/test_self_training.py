@@ -28,12 +28,12 @@ from nlp_tricks.self_training import (
     token_teacher_logits,
 )
 from recipe_helpers import (
-    TEST_CONLL,
     TRAIN_CONLL,
     assert_ok,
     env,
     free_port,
     launch,
+    ner_files,
     run_in_process,
     tiny_args,
     write_csv,
@@ -271,12 +271,9 @@ def results_of(out: Path) -> dict:
 
 
 def test_recipe_ner_one_round_soft_labels(tiny_model, tmp_path):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
     (tmp_path / "raw.txt").write_text(UNLABELED_TEXT)
     out = tmp_path / "out"
-    files = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
-    files += ["--test_file", str(tmp_path / "test.conll"), "--unlabeled_file", str(tmp_path / "raw.txt")]
+    files = [*ner_files(tmp_path), "--unlabeled_file", str(tmp_path / "raw.txt")]
     # Plain python (as `accelerate launch` runs one process); the 2-process test covers a launched job.
     args = tiny_args(tiny_model, out, "--task", "ner", *files, "--soft_labels", "true")
     proc = launch("self_training", args, launcher="python")
