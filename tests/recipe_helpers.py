@@ -99,13 +99,14 @@ def launch_script(
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def ner_files(tmp_path: Path, *, predict: bool = True) -> list[str]:
-    """TRAIN_CONLL and TEST_CONLL written to ``tmp_path``, as the NER recipe's data flags: the test file validates,
-    and is also the ``--test_file`` unless ``predict=False``."""
+def ner_files(tmp_path: Path, *, validate: bool = True, predict: bool = True) -> list[str]:
+    """TRAIN_CONLL and TEST_CONLL written to ``tmp_path``, as the NER recipe's data flags: the test file is the
+    ``--validation_file`` unless ``validate=False``, and the ``--test_file`` unless ``predict=False``."""
     (tmp_path / "train.conll").write_text(TRAIN_CONLL)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
     test = str(tmp_path / "test.conll")
-    flags = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", test]
+    flags = ["--train_file", str(tmp_path / "train.conll")]
+    flags += ["--validation_file", test] if validate else []
     return flags + ["--test_file", test] if predict else flags
 
 

@@ -25,8 +25,8 @@ from nlp_tricks.preemption import (
     set_time_budget,
 )
 from nlp_tricks.resume import checkpoint_problem
-from recipe_helpers import TEST_CONLL, TRAIN_CONLL, free_port, run_in_process, tiny_args
 from recipe_helpers import env as recipe_env
+from recipe_helpers import free_port, ner_files, run_in_process, tiny_args
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,9 +375,7 @@ def test_exit_code_is_documented():
 
 
 def _ner_args(tiny_model, tmp_path, *extra):
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    files = ner_files(tmp_path, validate=False)
     return tiny_args(tiny_model, tmp_path / "out", *files, "--max_steps", "4", "--save_strategy", "no", *extra)
 
 

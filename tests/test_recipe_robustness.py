@@ -107,11 +107,9 @@ def test_sample_counts_must_be_at_least_one(recipe, flag, value, tiny_model, tmp
 def test_a_model_trained_with_a_crf_predicts_with_it_without_the_flag(tiny_model, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file, save_file
 
-    from recipe_helpers import TEST_CONLL, TRAIN_CONLL
+    from recipe_helpers import TEST_CONLL, ner_files
 
-    (tmp_path / "train.conll").write_text(TRAIN_CONLL)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
-    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    files = ner_files(tmp_path, validate=False)
     trained = tmp_path / "trained"
     assert run_in_process("ner", tiny_args(tiny_model, trained, *files, "--crf", "true"), monkeypatch) == 0
     # CRF scores that force one tag everywhere (not what the emissions' argmax gives): Viterbi must follow them.
