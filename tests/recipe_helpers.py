@@ -142,6 +142,18 @@ def assert_ok(proc):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+def launch_ddp_script(script: str, out: Path, timeout: int = 600) -> Path:
+    """``tests/scripts/{script} OUT`` under `accelerate launch` with 2 processes (DDP, gloo on CPU); fails the test
+    with the script's output unless it exits 0. Returns ``out``, where it wrote its files."""
+    assert_ok(launch_script(ROOT / "tests" / "scripts" / script, [str(out)], "ddp2", timeout))
+    return out
+
+
+def rank_report(out: Path, name: str, rank: int) -> dict:
+    """The ``{name}_rank{rank}.json`` that tests/ddp_helpers.save_rank wrote."""
+    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+
+
 def assert_saved(out: Path, predictions: str, keys: list[str]) -> dict:
     for name in ("model.safetensors", "config.json", "tokenizer.json", "trainer_state.json", predictions):
         assert (out / name).is_file(), f"{name} missing in {sorted(p.name for p in out.iterdir())}"

@@ -1,46 +1,33 @@
 """Adversarial training under real 2-process DDP (gloo on CPU): one all-reduce per step, identical ranks, exactness."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from nlp_tricks import TricksTrainer
-from recipe_helpers import launch_script
+from recipe_helpers import launch_ddp_script, rank_report
 from tiny import bert_token_cls, token_cls_data, tricks_args
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "adversarial_ddp.py"
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    result = launch_script(SCRIPT, [str(out)], "ddp2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
-
-
-def _report(out, name, rank):
-    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+    return launch_ddp_script("adversarial_ddp.py", tmp_path_factory.mktemp("ddp"))
 
 
 def test_one_allreduce_per_optimizer_step(ddp_run):
-    plain = _report(ddp_run, "plain", 0)
+    plain = rank_report(ddp_run, "plain", 0)
     assert plain["world_size"] == 2 and plain["steps"] == 3
     # Plain training all-reduces each gradient bucket once per step; adversarial training must do the same.
     buckets, rest = divmod(plain["allreduces"], plain["steps"])
     assert buckets >= 1 and rest == 0
     for name in ["plain", "fgm", "pgd", "example", "awp", "freelb", "freelb_example", "rdrop"]:
         for rank in (0, 1):
-            report = _report(ddp_run, name, rank)
+            report = rank_report(ddp_run, name, rank)
             assert report["allreduces"] == buckets * report["steps"], (name, rank, report)
             assert report["adv_skipped"] in (None, 0)
-    awp = _report(ddp_run, "awp", 0)
+    awp = rank_report(ddp_run, "awp", 0)
     assert awp["adv_plain_steps"] == 1 and ["loss_adv" in e for e in awp["logged"]] == [False, True, True]
-    assert all(e["loss_kl"] > 0 for e in _report(ddp_run, "rdrop", 0)["logged"])
+    assert all(e["loss_kl"] > 0 for e in rank_report(ddp_run, "rdrop", 0)["logged"])
 
 
 def test_ranks_end_with_identical_weights(ddp_run):

@@ -5,8 +5,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,7 +36,7 @@ from nlp_tricks.averaging import (
 from nlp_tricks.checkpoint import CheckpointMismatchError
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.crf import add_crf, load_crf_model
-from recipe_helpers import ner_files, run_in_process, tiny_args
+from recipe_helpers import launch_ddp_script, ner_files, rank_report, run_in_process, tiny_args
 from scripts import resume_run
 from tiny import bert_config, bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
 
@@ -372,25 +370,17 @@ def test_resuming_a_checkpoint_without_ema_state_is_an_error_naming_it(tmp_path)
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ema_ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += [str(ROOT / "tests" / "scripts" / "ema_ddp.py"), str(out)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return launch_ddp_script("ema_ddp.py", tmp_path_factory.mktemp("ema_ddp"))
 
 
 @pytest.mark.slow  # two processes of accelerate launch: ~30 s on 2 shared cores
 def test_ddp_ranks_hold_identical_averages_with_plain_communication(ddp_run):
-    plain = json.loads((ddp_run / "plain_rank0.json").read_text())
+    plain = rank_report(ddp_run, "plain", 0)
     assert plain["world_size"] == 2 and plain["steps"] == 3
     buckets, rest = divmod(plain["allreduces"], plain["steps"])
     assert buckets >= 1 and rest == 0
     for rank in (0, 1):
-        report = json.loads((ddp_run / f"ema_rank{rank}.json").read_text())
+        report = rank_report(ddp_run, "ema", rank)
         assert report["allreduces"] == plain["allreduces"], report  # no extra collective for the EMA
         assert report["ema_updates"] == 3 and report["evals"] == 3
     rank0, rank1 = load_file(ddp_run / "ema_rank0.safetensors"), load_file(ddp_run / "ema_rank1.safetensors")

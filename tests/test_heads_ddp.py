@@ -1,7 +1,5 @@
 """CRF and class weights under real 2-process DDP (gloo on CPU): the step equals one process over the whole batch."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -9,18 +7,12 @@ from scripts.heads_ddp import SETTINGS, ner_data, ner_model, step_args
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.crf import add_crf
-from recipe_helpers import launch_script
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "heads_ddp.py"
+from recipe_helpers import launch_ddp_script
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    result = launch_script(SCRIPT, [str(out)], "ddp2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return launch_ddp_script("heads_ddp.py", tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.slow

@@ -1,24 +1,17 @@
 """Frozen and thawed layers under real 2-process DDP (gloo on CPU): tests/scripts/layers_ddp.py."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipe_helpers import launch_script
+from recipe_helpers import launch_ddp_script
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "layers_ddp.py"
 FROZEN = ("bert.embeddings.", "bert.encoder.layer.0.")
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    result = launch_script(SCRIPT, [str(out)], "ddp2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+    return launch_ddp_script("layers_ddp.py", tmp_path_factory.mktemp("ddp"))
 
 
 def _names(saved):

@@ -26,7 +26,7 @@ from nlp_tricks.preemption import (
 )
 from nlp_tricks.resume import checkpoint_problem
 from recipe_helpers import env as recipe_env
-from recipe_helpers import free_port, ner_files, run_in_process, tiny_args
+from recipe_helpers import launch_ddp_script, ner_files, run_in_process, tiny_args
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,14 +347,7 @@ def test_works_on_a_plain_trainer(tmp_path):
     reason="torch 2.6 cannot load the RNG state a CPU DDP rank saved (storage tagged cpu:0), on any resume",
 )
 def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exact(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += ["--main_process_port", str(free_port())]  # other jobs on the machine may hold the default port
-    cmd += [str(ROOT / "tests" / "scripts" / "preempt_ddp.py"), str(tmp_path)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_ddp_script("preempt_ddp.py", tmp_path)
     reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in (0, 1)]
     for r, report in enumerate(reports):
         assert report["world_size"] == 2

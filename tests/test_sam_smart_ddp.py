@@ -1,46 +1,34 @@
 """SAM and SMART under real 2-process DDP (gloo on CPU): one all-reduce per optimizer step, identical ranks."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipe_helpers import launch_script
+from recipe_helpers import launch_ddp_script, rank_report
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "sam_smart_ddp.py"
 NAMES = ["plain", "sam", "smart_fgm"]
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    result = launch_script(SCRIPT, [str(out)], "ddp2")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
-
-
-def _report(out, name, rank):
-    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+    return launch_ddp_script("sam_smart_ddp.py", tmp_path_factory.mktemp("ddp"))
 
 
 def test_one_allreduce_per_optimizer_step(ddp_run):
     """SAM runs 2 micro-batches x 2 passes per step, SMART with FGM 2 passes of 3 forwards each per micro-batch:
     still one all-reduce of each gradient bucket per optimizer step, as plain training."""
-    plain = _report(ddp_run, "plain", 0)
+    plain = rank_report(ddp_run, "plain", 0)
     assert plain["world_size"] == 2 and plain["steps"] == 2
     buckets, rest = divmod(plain["allreduces"], plain["steps"])
     assert buckets >= 1 and rest == 0
     for name in NAMES:
         for rank in (0, 1):
-            report = _report(ddp_run, name, rank)
+            report = rank_report(ddp_run, name, rank)
             assert report["allreduces"] == buckets * report["steps"], (name, rank, report)
             assert report["trick_state"].get("sam_skipped", 0) == 0
             assert report["trick_state"].get("smart_skipped", 0) == 0
-    assert all(e["loss_sam"] > e["loss"] for e in _report(ddp_run, "sam", 0)["logged"])
-    assert all(e["loss_smart"] > 0 for e in _report(ddp_run, "smart_fgm", 0)["logged"])
+    assert all(e["loss_sam"] > e["loss"] for e in rank_report(ddp_run, "sam", 0)["logged"])
+    assert all(e["loss_smart"] > 0 for e in rank_report(ddp_run, "smart_fgm", 0)["logged"])
 
 
 def test_ranks_end_with_identical_weights(ddp_run):

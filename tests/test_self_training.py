@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +28,8 @@ from nlp_tricks.self_training import (
 from recipe_helpers import (
     TRAIN_CONLL,
     assert_ok,
-    env,
-    free_port,
     launch,
+    launch_ddp_script,
     ner_files,
     run_in_process,
     tiny_args,
@@ -194,12 +191,7 @@ def test_classification_logits_in_order():
 
 @pytest.mark.slow  # ~45 s on a loaded 2-core CPU (two launched processes); the in-process tests check the values
 def test_order_preserved_across_two_processes(tmp_path):
-    script = ROOT / "tests" / "scripts" / "self_training_ddp.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += ["--main_process_port", str(free_port()), str(script), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert_ok(proc)
+    launch_ddp_script("self_training_ddp.py", tmp_path, timeout=300)
     shares = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert shares[0]["world_size"] == 2 and shares[0]["mine"] + shares[1]["mine"] == list(range(len(SENTENCES)))
     tokenizer = word_tokenizer()

@@ -10,19 +10,14 @@ count, optimizer steps, skipped attacks). tests/test_adversarial_ddp.py launches
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
-from nlp_tricks import TricksTrainer  # noqa: E402
+from ddp_helpers import AllReduceCountingTrainer, save_rank  # noqa: E402
 from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
 
 SETTINGS = {
@@ -41,23 +36,6 @@ SETTINGS = {
 }
 
 
-class CountingTrainer(TricksTrainer):
-    """Counts the DDP gradient all-reduces (one comm-hook call per bucket) with a comm hook."""
-
-    allreduces = 0
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if isinstance(model, DistributedDataParallel) and not getattr(model, "_counted", False):
-
-            def counting_allreduce(state, bucket):
-                self.allreduces += 1
-                return default_hooks.allreduce_hook(None, bucket)
-
-            model.register_comm_hook(None, counting_allreduce)
-            model._counted = True
-        return super().training_step(model, inputs, num_items_in_batch)
-
-
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     for name, setting in SETTINGS.items():
@@ -74,22 +52,14 @@ def main(out_dir: str) -> None:
             **setting,
         )
         data = token_cls_data(n=8 * setting["max_steps"])
-        trainer = CountingTrainer(model=bert_token_cls(**model_kwargs), args=args, train_dataset=data)
+        trainer = AllReduceCountingTrainer(model=bert_token_cls(**model_kwargs), args=args, train_dataset=data)
         trainer.train()
-        assert trainer.accelerator.num_processes == 2, "launch with --num_processes 2"
-        rank = trainer.accelerator.process_index
-        weights = {k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
-        save_file(weights, str(out / f"{name}_rank{rank}.safetensors"))
         report = {
-            "allreduces": trainer.allreduces,
-            "steps": trainer.state.global_step,
             "adv_skipped": trainer.trick_state.get("adv_skipped"),
             "adv_plain_steps": trainer.trick_state.get("adv_plain_steps"),
             "logged": [e for e in trainer.state.log_history if "loss" in e],
-            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
         }
-        (out / f"{name}_rank{rank}.json").write_text(json.dumps(report))
-        trainer.accelerator.wait_for_everyone()
+        save_rank(trainer, out, name, report=report)
     torch.distributed.destroy_process_group()
 
 

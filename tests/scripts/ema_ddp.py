@@ -11,20 +11,15 @@ count, optimizer steps, EMA updates). tests/test_averaging.py launches it and ch
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
-from nlp_tricks import TricksTrainer  # noqa: E402
+from ddp_helpers import AllReduceCountingTrainer, model_weights, save_rank  # noqa: E402
 from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
 
 SETTINGS = {
@@ -32,23 +27,6 @@ SETTINGS = {
     "ema": dict(ema_decay=0.8, eval_strategy="steps", eval_steps=1),
 }
 STEPS = 3
-
-
-class CountingTrainer(TricksTrainer):
-    """Counts the DDP gradient all-reduces (one comm-hook call per bucket) with a comm hook."""
-
-    allreduces = 0
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if isinstance(model, DistributedDataParallel) and not getattr(model, "_counted", False):
-
-            def counting_allreduce(state, bucket):
-                self.allreduces += 1
-                return default_hooks.allreduce_hook(None, bucket)
-
-            model.register_comm_hook(None, counting_allreduce)
-            model._counted = True
-        return super().training_step(model, inputs, num_items_in_batch)
 
 
 class RecordWeights(TrainerCallback):
@@ -76,7 +54,7 @@ def main(out_dir: str) -> None:
             **setting,
         )
         recorder = RecordWeights()
-        trainer = CountingTrainer(
+        trainer = AllReduceCountingTrainer(
             model=bert_token_cls(),
             args=args,
             train_dataset=token_cls_data(n=8 * STEPS),
@@ -84,23 +62,16 @@ def main(out_dir: str) -> None:
             callbacks=[recorder],
         )
         trainer.train()
-        assert trainer.accelerator.num_processes == 2, "launch with --num_processes 2"
-        rank = trainer.accelerator.process_index
-        tensors = {k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+        tensors = model_weights(trainer)
         for step, weights in enumerate(recorder.after_step, start=1):
             tensors.update({f"step{step}.{k}": v for k, v in weights.items()})
         if trainer.ema is not None:
             tensors.update({f"ema.{k}": v for k, v in trainer.ema.state_dict()["shadow"].items()})
-        save_file(tensors, str(out / f"{name}_rank{rank}.safetensors"))
         report = {
-            "allreduces": trainer.allreduces,
-            "steps": trainer.state.global_step,
             "ema_updates": None if trainer.ema is None else trainer.ema.num_updates,
             "evals": sum("eval_loss" in e for e in trainer.state.log_history),
-            "world_size": int(os.environ.get("WORLD_SIZE", 1)),
         }
-        (out / f"{name}_rank{rank}.json").write_text(json.dumps(report))
-        trainer.accelerator.wait_for_everyone()
+        save_rank(trainer, out, name, tensors, report)
     torch.distributed.destroy_process_group()
 
 

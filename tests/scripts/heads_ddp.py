@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
+from ddp_helpers import save_rank  # noqa: E402
 from nlp_tricks import TricksTrainer  # noqa: E402
 from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
 
@@ -55,10 +55,7 @@ def main(out_dir: str) -> None:
         args = step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
         trainer = TricksTrainer(model=ner_model(), args=args, train_dataset=ner_data())
         trainer.train()
-        assert trainer.accelerator.num_processes == 2, "launch with --num_processes 2"
-        weights = {k: v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
-        save_file(weights, str(out / f"{name}_rank{trainer.accelerator.process_index}.safetensors"))
-        trainer.accelerator.wait_for_everyone()
+        save_rank(trainer, out, name)
     torch.distributed.destroy_process_group()
 
 

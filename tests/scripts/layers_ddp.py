@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
+from ddp_helpers import save_rank  # noqa: E402
 from nlp_tricks import TricksTrainer  # noqa: E402
 from tiny import bert_seq_cls, seq_cls_data, tricks_args  # noqa: E402
 
@@ -64,8 +64,7 @@ def main(out_dir: str) -> None:
             state = inner.state.get(p, {})
             saved[f"steps.{n}"] = torch.tensor(int(state["step"]) if "step" in state else 0)
         saved.update(at_step.saved)
-        save_file(saved, str(out / f"{name}_rank{trainer.accelerator.process_index}.safetensors"))
-        trainer.accelerator.wait_for_everyone()
+        save_rank(trainer, out, name, saved)
     try:
         run(out, "refused", freeze_layers=1, unfreeze_at_step=2, ddp_find_unused_parameters=False)
         message = "not refused"
