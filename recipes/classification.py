@@ -105,11 +105,11 @@ RECIPE_DEFAULTS = {
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
-# Added to the ablation runner's common configurations (recipes/ablation.py).
 # The tricks this recipe turns on by default (``--tricks default``) because the cross-validated 3-seed ablation
 # (docs/evidence.md, 50 training articles) shows a gain beyond seed noise; ``--tricks none`` is the plain baseline.
 # Not with --multi_label (focal loss is single-label here, and the evidence is).
 EVIDENCE_DEFAULTS = {"loss_type": "focal"}
+# Added to the ablation runner's common configurations (recipes/ablation.py).
 ABLATION_CONFIGURATIONS = {
     "pooling_mean": ["--pooling", "mean"],
     "pooling_mean_max": ["--pooling", "mean_max"],

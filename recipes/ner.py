@@ -105,10 +105,10 @@ RECIPE_DEFAULTS = {
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
-# Added to the ablation runner's common configurations (recipes/ablation.py).
 # The tricks this recipe turns on by default (``--tricks default``) because the cross-validated 3-seed ablation
 # (docs/evidence.md) shows a gain beyond seed noise; ``--tricks none`` is the plain baseline.
 EVIDENCE_DEFAULTS = {"crf": True}
+# Added to the ablation runner's common configurations (recipes/ablation.py).
 ABLATION_CONFIGURATIONS = {
     "crf": ["--crf", "true"],
     "crf_bio": ["--crf", "true", "--crf_bio_constraints", "true"],
