@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .checkpoint import CheckpointMismatchError, load_state_dict_portable, unwrap_model
+from .checkpoint import DESCRIPTION_FILES, CheckpointMismatchError, load_state_dict_portable, unwrap_model
 from .resume import CHECKPOINT_RE, checkpoint_problem
 
 __all__ = [
@@ -44,23 +44,6 @@ logger = logging.getLogger(__name__)
 EMA_STATE_NAME = "ema_state.safetensors"
 # Written beside a saved model whose weights are an average: {"weights": "ema" | "swa" | "average", ...}.
 AVERAGING_INFO_NAME = "averaging.json"
-# Files of a model folder that describe the model rather than hold its weights: copied beside an averaged model.
-_COPIED_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
 
 
 # ---- EMA ------------------------------------------------------------------------------------------------------------
@@ -437,7 +420,7 @@ def average_checkpoints(
         model.to(dtype)
     average_into(model, paths)
     model.save_pretrained(output_dir, safe_serialization=True)
-    for name in _COPIED_FILES:
+    for name in DESCRIPTION_FILES:  # copied beside the averaged model
         source = os.path.join(config, name)
         if os.path.isfile(source) and not os.path.exists(os.path.join(output_dir, name)):
             shutil.copy2(source, os.path.join(output_dir, name))

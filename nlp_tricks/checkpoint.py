@@ -32,6 +32,24 @@ WEIGHTS_FILES = (
     "pytorch_model.bin.index.json",
 )
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# The files of a model folder that describe the model beside its weights and config.json: generation settings,
+# tokenizer and processor files.
+DESCRIPTION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 MAX_LISTED = 10
 
 

@@ -30,7 +30,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
+from nlp_tricks.checkpoint import DESCRIPTION_FILES, is_state_dict_file, load_state_dict_portable, read_state_dict
 from nlp_tricks.crf import add_crf, bio_constraints, load_crf_model
 from nlp_tricks.data import (
     DataError,
@@ -776,23 +776,13 @@ RUN_OUTPUTS = (
     "trainer_state.json",
     "training_args.bin",
     "config.json",
-    "generation_config.json",
+    *DESCRIPTION_FILES,
     "model*.safetensors",
     "model.safetensors.index.json",
     "pytorch_model*.bin",
     "pytorch_model.bin.index.json",
     "adapter_model.*",
     "adapter_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
     "checkpoint-*",
 )
 # Of those, the ones that make a folder hold results: an earlier run's numbers, predictions, model or checkpoints.
