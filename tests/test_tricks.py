@@ -17,7 +17,7 @@ from transformers import Trainer, TrainingArguments
 
 from nlp_tricks import Trick, TricksArguments, TricksTrainer
 from nlp_tricks.tricks import BUILT_IN_TRICKS, built_in_tricks
-from nlp_tricks.tricks.base import TRICKS_STATE_NAME, load_trick_states, save_trick_states
+from nlp_tricks.tricks.base import TRICKS_STATE_NAME, load_trick_states, record_loss_term, save_trick_states
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
 
 V0 = Path(__file__).parent / "data" / "checkpoint_v0"
@@ -322,6 +322,27 @@ def test_a_hyperparameter_search_trial_applies_every_trick_field(tmp_path, monke
     assert names == ["RDrop", "LossFunction", "ExponentialMovingAverage"]
     torch.testing.assert_close(trainer.tricks[1].class_weights, torch.tensor([1.0, 2.0, 3.0]))
     assert any("loss_kl" in log for log in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("task", ["token", "sequence"])
+def test_a_recorded_loss_term_is_on_the_scale_of_the_logged_loss(tmp_path, task):
+    """A term equal to the loss itself, recorded as R-Drop and SMART record theirs: the log shows the Trainer's own
+    `loss` under gradient accumulation, the items being tokens (token classification) or examples (sequences)."""
+
+    class CopyOfTheLoss(Trick):
+        def adjust_logits_loss(self, trainer, logits, batch, loss):
+            record_loss_term(trainer, "loss_copy", loss, batch.num_items)
+            return loss
+
+    model, data = (bert_token_cls(), token_cls_data(n=8)) if task == "token" else (bert_seq_cls(), seq_cls_data(n=8))
+    args = tricks_args(tmp_path, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    trainer = TricksTrainer(model=model, args=args, train_dataset=data, tricks=[CopyOfTheLoss()])
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2
+    for entry in logs:
+        # The recorded metrics are logged rounded to 4 decimals.
+        assert entry["loss_copy"] == pytest.approx(entry["loss"], abs=5.1e-5)
 
 
 def test_a_hyperparameter_search_trial_is_validated(tmp_path, monkeypatch):

@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import TrainerCallback
 
+from .. import _upstream
+
 if TYPE_CHECKING:
     from ..trainer import TricksTrainer
 
@@ -204,6 +206,19 @@ class Trick(TrainerCallback):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def record_loss_term(trainer: TricksTrainer, name: str, term: torch.Tensor, num_items_in_batch) -> None:
+    """Log a loss term beside the logged ``loss``, on its scale. With ``num_items_in_batch`` the term is this
+    micro-batch's share of the step's per-item mean (over micro-batches and processes): scaled back up by both
+    counts."""
+    if num_items_in_batch is not None:
+        try:
+            micro_batches = _upstream.accumulation_steps(trainer)
+        except AttributeError:  # called outside the training loop
+            micro_batches = 1
+        term = term * micro_batches * trainer.loss_scale_for_devices()
+    trainer.record_metric(name, term)
 
 
 # ---- The tricks' state in a checkpoint ---------------------------------------------------------------------------

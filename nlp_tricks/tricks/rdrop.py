@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _upstream
 from ..losses import rdrop_kl
-from .base import LossBatch, Trick
+from .base import LossBatch, Trick, record_loss_term
 
 __all__ = ["RDrop"]
 
@@ -84,13 +83,5 @@ class RDrop(Trick):
                 )
             self._checked = True
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is not None:
-            # A share of the step's per-item mean: x micro-batches (and processes) makes it comparable with `loss`.
-            try:
-                micro_batches = _upstream.accumulation_steps(trainer)
-            except AttributeError:  # called outside the training loop
-                micro_batches = 1
-            trainer.record_metric("loss_kl", kl * micro_batches * trainer.loss_scale_for_devices())
-        else:
-            trainer.record_metric("loss_kl", kl)
+        record_loss_term(trainer, "loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl

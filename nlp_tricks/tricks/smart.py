@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import _upstream
 from ..outputs import output_logits
 from ..smart import SMART, validate_smart
-from .base import LossBatch, Trick
+from .base import LossBatch, Trick, record_loss_term
 
 __all__ = ["SmoothnessRegularization"]
 
@@ -112,13 +111,5 @@ class SmoothnessRegularization(Trick):
         if term is None:
             trainer.trick_state["smart_skipped"] = trainer.trick_state.get("smart_skipped", 0) + 1
             return loss
-        if batch.num_items is not None:
-            # A share of the step's per-item mean: x micro-batches (and processes) makes it comparable with `loss`.
-            try:
-                micro_batches = _upstream.accumulation_steps(trainer)
-            except AttributeError:  # called outside the training loop
-                micro_batches = 1
-            trainer.record_metric("loss_smart", term * micro_batches * trainer.loss_scale_for_devices())
-        else:
-            trainer.record_metric("loss_smart", term)
+        record_loss_term(trainer, "loss_smart", term, batch.num_items)
         return loss + self.args.smart_alpha * term
