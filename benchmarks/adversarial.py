@@ -12,7 +12,8 @@ shape). Methods:
 
 - plain: one forward/backward;
 - fgm / pgd3: ``FGM(model).step(...)`` / ``PGD(model, steps=3).step(...)`` (perturbation on the embedding output);
-- classic fgm / classic pgd3: the popular weight-space implementation, written out below: back up the vocab x dim
+- classic fgm / classic pgd3: the popular weight-space implementation, the one the tests compare against
+  (tests/classic_recipes.py): back up the vocab x dim
   embedding weight, add ``eps * g / ||g||`` to it, rerun, restore; PGD also backs up and restores every parameter
   gradient and runs full backwards in its intermediate steps.
 - awp: ``AWP(model, gamma=0.01).step(...)`` (the Linear weights of the layers, only those backed up); classic awp:
@@ -48,6 +49,8 @@ import json
 import multiprocessing
 import resource
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 from _timing import paired_ratio, time_interleaved
@@ -59,43 +62,15 @@ from nlp_tricks.losses import rdrop_loss
 from nlp_tricks.sam import SAM
 from nlp_tricks.smart import SMART
 
+# The classic weight-space FGM / PGD: the tests' reference, timed here as it is tested there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from classic_recipes import classic_fgm, classic_pgd  # noqa: E402
+
 MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
 
-# ---- The classic weight-space recipe (as the popular copies write it) ----------------------------------------------
-
-
-def classic_fgm_step(model, loss_fn, weight, epsilon=1.0):
-    loss_fn().backward()
-    backup = weight.data.clone()
-    norm = torch.norm(weight.grad)
-    if norm != 0 and not torch.isnan(norm):
-        weight.data.add_(epsilon * weight.grad / norm)
-    loss_fn().backward()
-    weight.data = backup
-
-
-def classic_pgd_step(model, loss_fn, weight, epsilon=1.0, alpha=0.3, steps=3):
-    loss_fn().backward()
-    emb_backup = weight.data.clone()
-    grad_backup = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    for t in range(steps):
-        norm = torch.norm(weight.grad)
-        if norm != 0 and not torch.isnan(norm):
-            weight.data.add_(alpha * weight.grad / norm)
-            r = weight.data - emb_backup
-            if torch.norm(r) > epsilon:
-                r = epsilon * r / torch.norm(r)
-            weight.data = emb_backup + r
-        if t != steps - 1:
-            model.zero_grad()
-        else:
-            for n, p in model.named_parameters():
-                if n in grad_backup:
-                    p.grad = grad_backup[n]
-        loss_fn().backward()
-    weight.data = emb_backup
+# ---- The classic recipes (as the popular copies write them) -------------------------------------------------------
 
 
 def classic_awp_step(model, loss_fn, gamma=0.01, epsilon=0.001, name="weight"):
@@ -303,8 +278,8 @@ def make_steps(model, optimizer, inputs):
         "plain": lambda: (loss_fn().backward(), finish()),
         "fgm": lambda: (fgm.step(loss_fn), finish()),
         "pgd3": lambda: (pgd.step(loss_fn), finish()),
-        "classic fgm": lambda: (classic_fgm_step(model, loss_fn, weight), finish()),
-        "classic pgd3": lambda: (classic_pgd_step(model, loss_fn, weight), finish()),
+        "classic fgm": lambda: (classic_fgm(model, loss_fn, weight, epsilon=1.0), finish()),
+        "classic pgd3": lambda: (classic_pgd(model, loss_fn, weight, epsilon=1.0, alpha=0.3, steps=3), finish()),
         "awp": lambda: (awp.step(loss_fn), finish()),
         "classic awp": lambda: (classic_awp_step(model, loss_fn), finish()),
         "freelb3": lambda: (freelb.step(loss_fn), finish()),
