@@ -1,7 +1,8 @@
-"""Run every benchmark in benchmarks/, each side by side with its baseline in one process; print one table.
+"""Run the benchmarks in benchmarks/ (all but data_scale.py, below), each side by side with its baseline in one
+run; print one table.
 
-    python benchmarks/run_all.py            # the full runs the README quotes (tens of minutes on 2 CPU cores)
-    python benchmarks/run_all.py --quick    # tiny shapes, seconds each: checks that every benchmark runs
+    python benchmarks/run_all.py            # the full runs the docs quote (about 20 minutes on 2 CPU cores)
+    python benchmarks/run_all.py --quick    # tiny shapes, seconds each: checks that each of them runs
 
 Each benchmark script prints its rows as JSON with ``--json``: ``benchmark``, ``case``, ``baseline``, ``ratio``
 (time of ``case`` / time of ``baseline``, measured in the same run) and ``median_ms``. Ratios are what to
