@@ -9,26 +9,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()  # old import paths of moved modules (nlp_tricks.losses, ...) keep working
 
 # public name -> the module that defines it
 _EXPORTS = {
     "TricksArguments": ".config",
     "TricksTrainer": ".trainer",
     "Trick": ".tricks",
-    "focal_loss": ".losses",
-    "label_smoothing_cross_entropy": ".losses",
-    "cross_entropy": ".losses",
-    "distillation_loss": ".losses",
-    "rdrop_loss": ".losses",
-    "FocalLoss": ".losses",
-    "LabelSmoothingCrossEntropy": ".losses",
-    "build_param_groups": ".param_groups",
-    "load_state_dict_portable": ".checkpoint",
-    "FGM": ".adversarial",
-    "PGD": ".adversarial",
-    "AWP": ".adversarial",
-    "FreeLB": ".adversarial",
+    "focal_loss": ".functional.losses",
+    "label_smoothing_cross_entropy": ".functional.losses",
+    "cross_entropy": ".functional.losses",
+    "distillation_loss": ".functional.losses",
+    "rdrop_loss": ".functional.losses",
+    "FocalLoss": ".functional.losses",
+    "LabelSmoothingCrossEntropy": ".functional.losses",
+    "build_param_groups": ".runtime.param_groups",
+    "load_state_dict_portable": ".runtime.checkpoint",
+    "FGM": ".functional.adversarial",
+    "PGD": ".functional.adversarial",
+    "AWP": ".functional.adversarial",
+    "FreeLB": ".functional.adversarial",
+    "load_crf_model": ".functional.crf",
+    "load_pooled_model": ".functional.pooling",
 }
 
 __all__ = [
@@ -48,6 +54,8 @@ __all__ = [
     "PGD",
     "AWP",
     "FreeLB",
+    "load_crf_model",
+    "load_pooled_model",
 ]
 
 
@@ -64,10 +72,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .adversarial import AWP, FGM, PGD, FreeLB
-    from .checkpoint import load_state_dict_portable
     from .config import TricksArguments
-    from .losses import (
+    from .functional.adversarial import AWP, FGM, PGD, FreeLB
+    from .functional.losses import (
         FocalLoss,
         LabelSmoothingCrossEntropy,
         cross_entropy,
@@ -76,6 +83,7 @@ if TYPE_CHECKING:
         label_smoothing_cross_entropy,
         rdrop_loss,
     )
-    from .param_groups import build_param_groups
+    from .runtime.checkpoint import load_state_dict_portable
+    from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer
     from .tricks import Trick

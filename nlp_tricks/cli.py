@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "average":
         import pickle
 
-        from .averaging import average_checkpoints
-        from .checkpoint import CheckpointMismatchError
+        from .runtime.averaging import average_checkpoints
+        from .runtime.checkpoint import CheckpointMismatchError
 
         try:
             print(average_checkpoints(args.checkpoints, args.output, config=args.config))

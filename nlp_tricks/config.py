@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .adversarial import ADV_NORMS
-from .pooling import POOLING_MODES
-from .scheduled_sampling import MODES, SCHEDULES
+from .functional.adversarial import ADV_NORMS
+from .functional.pooling import POOLING_MODES
+from .functional.scheduled_sampling import MODES, SCHEDULES
 from .tricks import validate_arguments
 from .tricks.adversarial import ADVERSARIAL_METHODS
 from .tricks.loss import LOSS_TYPES

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from .data import DataError, read_conll_tokens, read_table_file, read_text_sentences
 from .data.readers import JSONL_SUFFIXES, read_jsonl
-from .outputs import output_logits
+from .functional.outputs import output_logits
 
 __all__ = [
     "PseudoLabels",

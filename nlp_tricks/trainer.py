@@ -15,14 +15,14 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
-from . import _upstream
-from .averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
 from .config import TricksArguments
-from .losses import distillation_loss
-from .outputs import output_logits, output_loss
-from .param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
-from .preemption import PreemptionCallback, install_preemption
-from .resume import (
+from .functional.losses import distillation_loss
+from .functional.outputs import output_logits, output_loss
+from .runtime import upstream as _upstream
+from .runtime.averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
+from .runtime.param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
+from .runtime.preemption import PreemptionCallback, install_preemption
+from .runtime.resume import (
     CHECKPOINT_RE,
     TrickStateCallback,
     checkpoint_problem,

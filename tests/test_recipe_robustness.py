@@ -9,7 +9,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from nlp_tricks import _upstream
+from nlp_tricks.runtime import upstream as _upstream
 from recipe_helpers import ROOT, run_in_process, tiny_args, write_csv
 
 

@@ -1,4 +1,4 @@
-"""The private transformers names nlp_tricks relies on (nlp_tricks/_upstream.py) exist on the installed version.
+"""The private transformers names nlp_tricks relies on (nlp_tricks/runtime/upstream.py) exist on the installed version.
 
 An upgrade that removes or renames one fails here, naming it, rather than deep inside a training step.
 """
@@ -9,21 +9,21 @@ import transformers
 from packaging.version import Version
 from transformers import Trainer
 
-from nlp_tricks import _upstream
+from nlp_tricks.runtime import upstream as _upstream
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
 
 
 @pytest.mark.parametrize("name", _upstream.TRAINER_METHODS)
 def test_trainer_method_exists(name):
     assert callable(getattr(Trainer, name, None)), (
-        f"transformers.Trainer.{name} is gone: update nlp_tricks/_upstream.py"
+        f"transformers.Trainer.{name} is gone: update nlp_tricks/runtime/upstream.py"
     )
 
 
 def test_trainer_attributes_exist(tmp_path):
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
     missing = [name for name in _upstream.TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
-    assert not missing, f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/_upstream.py"
+    assert not missing, f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/runtime/upstream.py"
     assert _upstream.loss_shifts_labels(trainer) is False  # a classifier's loss does not shift labels
 
 
@@ -35,9 +35,9 @@ def test_trainer_attributes_added_later_exist_from_their_release(tmp_path, name)
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
     installed = Version(transformers.__version__)
     if installed >= since:
-        assert hasattr(trainer, name), f"transformers {installed}: Trainer has no {name}: update _upstream.py"
+        assert hasattr(trainer, name), f"transformers {installed}: Trainer has no {name}: update nlp_tricks/runtime/upstream.py"
     else:
-        assert not hasattr(trainer, name), f"transformers {installed} has {name}: lower its release in _upstream.py"
+        assert not hasattr(trainer, name), f"transformers {installed} has {name}: lower its release in nlp_tricks/runtime/upstream.py"
 
 
 def test_is_optimizer_factory_is_callable():
@@ -48,7 +48,7 @@ def test_training_attributes_exist(tmp_path):
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path, max_steps=1), train_dataset=seq_cls_data())
     trainer.train()
     missing = [name for name in _upstream.TRAINING_ATTRIBUTES if not hasattr(trainer, name)]
-    assert not missing, f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/_upstream.py"
+    assert not missing, f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/runtime/upstream.py"
 
 
 def test_set_loss_shifts_labels_sets_upstreams_item_count(tmp_path):

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
-from ..outputs import output_logits
-from ..scheduled_sampling import (
+from ..functional.outputs import output_logits
+from ..functional.scheduled_sampling import (
     MODES,
     SCHEDULES,
     ScheduledSampler,

@@ -12,9 +12,9 @@ from accelerate.utils.memory import clear_device_cache
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 
-from .. import _upstream
-from ..adversarial import ADV_NORMS, AWP, FGM, PGD, FreeLB, validate_attack, validate_awp, validate_freelb
-from ..neftune import NEFTuneNoise
+from ..functional.adversarial import ADV_NORMS, AWP, FGM, PGD, FreeLB, validate_attack, validate_awp, validate_freelb
+from ..functional.neftune import NEFTuneNoise
+from ..runtime import upstream as _upstream
 from .base import Trick, nested
 
 __all__ = ["Adversarial", "ADVERSARIAL_METHODS"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..averaging import (
+from ..runtime.averaging import (
     EMA,
     EMA_STATE_NAME,
     EMACallback,

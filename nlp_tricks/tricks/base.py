@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import TrainerCallback
 
-from .. import _upstream
+from ..runtime import upstream as _upstream
 
 if TYPE_CHECKING:
     from ..trainer import TricksTrainer

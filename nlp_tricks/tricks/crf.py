@@ -9,8 +9,8 @@ import weakref
 import torch
 from torch import nn
 
-from ..crf import CRF, add_crf, compact, expand
-from ..outputs import output_logits
+from ..functional.crf import CRF, add_crf, compact, expand
+from ..functional.outputs import output_logits
 from .base import LossBatch, Trick
 
 __all__ = ["CRFHead"]

@@ -9,7 +9,7 @@ from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import ParallelMode
 
-from ..layers import freeze_bottom_layers, model_layers, reinit_top_layers, seeded, unfreeze
+from ..functional.layers import freeze_bottom_layers, model_layers, reinit_top_layers, seeded, unfreeze
 from .base import Trick
 
 __all__ = ["ReinitLayers", "LayerFreezing"]

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from ..losses import (
+from ..functional.losses import (
     balanced_class_weights,
     cross_entropy,
     focal_alpha_weights,

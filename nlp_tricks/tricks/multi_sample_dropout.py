@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..heads import MultiSampleDropout as _Hooks
-from ..heads import validate_multi_sample_dropout
+from ..functional.multi_sample_dropout import MultiSampleDropout as _Hooks
+from ..functional.multi_sample_dropout import validate_multi_sample_dropout
 from .base import Trick
 
 __all__ = ["MultiSampleDropout"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 
-from ..layers import seeded
-from ..pooling import POOLING_MODES, Pooling, add_pooling
+from ..functional.layers import seeded
+from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
 from .base import Trick
 
 __all__ = ["PoolingHead"]

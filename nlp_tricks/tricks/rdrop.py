@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..losses import rdrop_kl
+from ..functional.losses import rdrop_kl
 from .base import LossBatch, Trick, record_loss_term
 
 __all__ = ["RDrop"]

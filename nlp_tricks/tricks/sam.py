@@ -10,8 +10,8 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
 
-from .. import _upstream
-from ..sam import SAM, validate_sam
+from ..functional.sam import SAM, validate_sam
+from ..runtime import upstream as _upstream
 from .base import Trick
 
 __all__ = ["SharpnessAwareMinimization"]

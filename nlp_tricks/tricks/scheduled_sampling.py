@@ -9,7 +9,7 @@ import contextlib
 from torch import nn
 from transformers import Seq2SeqTrainer
 
-from ..scheduled_sampling import (
+from ..functional.scheduled_sampling import (
     MODES,
     SCHEDULES,
     ScheduledSampler,

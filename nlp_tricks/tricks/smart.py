@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..outputs import output_logits
-from ..smart import SMART, validate_smart
+from ..functional.outputs import output_logits
+from ..functional.smart import SMART, validate_smart
 from .base import LossBatch, Trick, record_loss_term
 
 __all__ = ["SmoothnessRegularization"]

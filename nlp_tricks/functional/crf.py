@@ -506,9 +506,9 @@ def load_crf_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     """
     from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig
 
-    from nlp_tricks import _upstream
+    from ..runtime.versions import CRF_LOADING_SINCE, require_transformers
 
-    _upstream.require_transformers(_upstream.CRF_LOADING_SINCE, "load_crf_model")
+    require_transformers(CRF_LOADING_SINCE, "load_crf_model")
     config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token", "cache_dir") if k in kwargs}
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(pretrained_model_name_or_path, **config_kwargs)
     if type(config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING:

@@ -16,15 +16,52 @@ explicitly); PEFT models are read through the transformers model they wrap.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 
-from .param_groups import _LAYER_RE, layer_ids
-
 __all__ = ["model_layers", "reinit_top_layers", "freeze_bottom_layers", "unfreeze", "seeded"]
+
+
+# A numbered block inside a stack: "encoder.layer.3.", "decoder.layers.0.", "encoder.block.1.", "transformer.h.2.".
+_LAYER_RE = re.compile(r"^(?P<stack>(?:.*?\.)?(?:layer|layers|block|blocks|h))\.(?P<index>\d+)(?:\.|$)")
+# Embedding parameters sit below layer 0: word / position / token-type embeddings, BART's layernorm_embedding, T5's
+# `shared`, ELECTRA's embeddings_project.
+_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:[a-z_]*embed[a-z_]*|shared|wte|wpe)(?:\.|$)")
+
+
+def layer_ids(base_model: nn.Module) -> tuple[dict[str, int], int]:
+    """Map each parameter name of ``base_model`` to its layer id, and return the number of layers ``L``.
+
+    Id 0 is the embeddings, ``1 + i`` the i-th layer counted across stacks (encoder stacks first, then decoder
+    stacks), ``L + 1`` everything else. Returns ``L = 0`` when no layer stack is found.
+    """
+    names = [n for n, _ in base_model.named_parameters()]
+    stacks: dict[str, int] = {}
+    for name in names:
+        match = _LAYER_RE.match(name)
+        if match:
+            stack = match.group("stack")
+            stacks[stack] = max(stacks.get(stack, 0), int(match.group("index")) + 1)
+    # Encoder stacks before decoder stacks, otherwise in order of appearance.
+    ordered = sorted(stacks, key=lambda s: ("decoder" in s.split("."), list(stacks).index(s)))
+    offsets, total = {}, 0
+    for stack in ordered:
+        offsets[stack] = total
+        total += stacks[stack]
+    ids = {}
+    for name in names:
+        match = _LAYER_RE.match(name)
+        if match:
+            ids[name] = 1 + offsets[match.group("stack")] + int(match.group("index"))
+        elif _EMBEDDING_RE.search(name):
+            ids[name] = 0
+        else:
+            ids[name] = total + 1
+    return ids, total
 
 
 def _body(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from transformers import Trainer
 from transformers.trainer_optimizer import is_optimizer_factory
 
+from .versions import CRF_LOADING_SINCE, require_transformers
+
 __all__ = [
     "TRAINER_METHODS",
     "TRAINER_ATTRIBUTES",
@@ -47,20 +49,6 @@ TRAINING_ATTRIBUTES = ("current_gradient_accumulation_steps",)
 # Attributes of a built `Trainer` that upstream added after our transformers floor, with the release that added each:
 # below it the shim here does what upstream did before (checked on an instance from that release on).
 TRAINER_ATTRIBUTES_SINCE = {"loss_is_scaled_for_ga": "5.19.0"}
-# Before this release `from_pretrained` re-initialises the CRF's scores of a model saved with add_crf (no error).
-CRF_LOADING_SINCE = "5.13.0"
-
-
-def require_transformers(version: str, feature: str) -> None:
-    """Refuse ``feature`` with one clear line when the installed transformers is older than ``version``."""
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version(version):
-        raise RuntimeError(
-            f"{feature} needs transformers >= {version} (installed: {transformers.__version__}): "
-            f"pip install 'transformers>={version}'"
-        )
 
 
 def prepare_context_parallel_inputs(trainer: Trainer, model, inputs: dict):
