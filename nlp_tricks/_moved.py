@@ -30,6 +30,7 @@ MOVED = {
     "nlp_tricks.preemption": "nlp_tricks.runtime.preemption",
     "nlp_tricks.param_groups": "nlp_tricks.runtime.param_groups",
     "nlp_tricks._upstream": "nlp_tricks.runtime.upstream",
+    "nlp_tricks.seq2seq.tying": "nlp_tricks.functional.tying",
 }
 
 

@@ -1,12 +1,18 @@
-"""TricksTrainer: a ``transformers.Trainer`` that runs the tricks of nlp_tricks, built from TricksArguments."""
+"""TricksTrainer: a ``transformers.Trainer`` that runs the tricks of nlp_tricks, built from TricksArguments.
+
+The protocol it runs (hooks, their combination rules, the loop) is declared once in :mod:`nlp_tricks.trick`; the
+dispatch here reads :data:`~nlp_tricks.trick.HOOK_RULES` rather than writing a loop per hook.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -16,54 +22,68 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from .config import TricksArguments
-from .functional.losses import distillation_loss
+from .functional.adversarial import resolve_embedding_module
+from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
-from .runtime.averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
-from .runtime.param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
-from .runtime.preemption import PreemptionCallback, install_preemption
-from .runtime.resume import (
-    CHECKPOINT_RE,
-    TrickStateCallback,
-    checkpoint_problem,
-    get_last_complete_checkpoint,
-    optimizer_groups_problem,
+from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
+from .runtime.param_groups import (
+    NO_DECAY_PATTERNS,
+    build_param_groups,
+    group_learning_rates,
+    group_signature,
+    upstream_param_groups,
 )
-from .tricks import BUILT_IN_TRICKS, LossBatch, Trick, built_in_tricks
-from .tricks.averaging import ExponentialMovingAverage
-from .tricks.base import TRICKS_STATE_NAME, checkpoint_trick_states, nested, save_trick_states, tricks_section
+from .runtime.passes import MultiPassStep
+from .runtime.preemption import PreemptionCallback, install_preemption
+from .runtime.resume import CHECKPOINT_RE, checkpoint_problem, get_last_complete_checkpoint, optimizer_groups_problem
+from .runtime.state import (
+    TRAINER_ENTRY,
+    TRICKS_STATE_NAME,
+    StateEntries,
+    checkpoint_trick_states,
+    legacy_state,
+    save_trick_states,
+)
+from .runtime.streams import TrickDataStream
+from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, nested
+from .tricks import built_in_tricks, tricks_section
 
 __all__ = ["TricksTrainer"]
 
 logger = logging.getLogger(__name__)
 
+# What an `exclusive` hook does, for the refusal of two tricks implementing it.
+_EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
+
 
 class TricksTrainer(Trainer):
     """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
-    and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``.
+    and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``, sorted by their ``order``.
 
     What it changes, and nothing else (training loop, mixed precision, DDP / FSDP / DeepSpeed, clipping, schedulers,
     logging and checkpoints stay upstream's):
 
     - :meth:`compute_loss` pops the labels, runs the model without its own loss and takes the configured loss on its
-      logits in one written pipeline (:meth:`_compute_labelled_loss`: the tricks' batch, the forward, each head's loss
-      with its terms, their mean, the device scaling; then, in training, the tricks' ``adjust_loss``). The loss is a
-      sum divided by ``num_items_in_batch`` (each trick counting its own items), so gradient accumulation is exact
-      for every loss. Float labels and regression heads keep the model's own loss (a one-time warning names the loss
-      tricks it skips); ``teacher_logits`` batches get :func:`~nlp_tricks.losses.distillation_loss`; question
-      answering the loss over start and end positions; ``compute_loss_func=`` works as on plain Trainer (refusing
-      the loss tricks it would replace); causal LMs score the logits at t against the label at t + 1.
-    - :meth:`training_step` is upstream's, unless a trick takes the step (adversarial training's extra passes).
+      logits in one written pipeline (:meth:`_compute_labelled_loss`, the loop in :mod:`nlp_tricks.trick`). The loss
+      is a sum divided by ``num_items_in_batch`` (each trick counting its own items), so gradient accumulation is
+      exact for every loss. Float labels and regression heads keep the model's own loss (a one-time warning names the
+      loss tricks it skips); question answering takes the loss over start and end positions; ``compute_loss_func=``
+      works as on plain Trainer (refusing the loss tricks it would replace); causal LMs score the logits at t against
+      the label at t + 1.
+    - :meth:`training_step` is upstream's, unless a trick takes the step (an attack's or SAM's extra passes, built on
+      :meth:`multi_pass`).
     - :meth:`create_optimizer` builds :meth:`build_optimizer_groups` (no decay on biases and norms, ``head_lr_scale``,
-      ``layer_decay``, the tricks' own rules) for the optimizer ``--optim`` names. The logged ``learning_rate`` is the
-      body's on every model, ``lr/<group>`` each group's.
+      ``layer_decay``, the tricks' own rules) for the optimizer ``--optim`` names; with no group rule on, the groups
+      are upstream's own. The logged ``learning_rate`` is the body's on every model, ``lr/<group>`` each group's.
     - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
       EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
-      files and states, and :meth:`train` restores them on resume.
+      states (one file), and :meth:`train` restores them on resume.
 
     Extension points: :meth:`compute_tricks_loss`, :meth:`forward_for_loss`, :meth:`build_optimizer_groups`,
-    :meth:`record_metric`, :attr:`trick_state`; upstream's signatures are kept for the methods it overrides. A trick
-    of your own needs no subclass: see :class:`~nlp_tricks.Trick` and docs/tricks.md.
+    :meth:`record_metric`, :attr:`trick_state`, :meth:`multi_pass`, :meth:`data_stream`, :attr:`loss_context`;
+    upstream's signatures are kept for the methods it overrides. A trick of your own needs no subclass: see
+    :class:`~nlp_tricks.Trick` and docs/tricks.md.
     """
 
     def __init__(
@@ -84,11 +104,12 @@ class TricksTrainer(Trainer):
         for trick in tricks:
             if not isinstance(trick, Trick):
                 raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
-        #: The tricks of this run, in the order their hooks run (the built-in ones, then ``tricks=``).
-        self.tricks: list[Trick] = built_in_tricks(args, user_tricks=tricks)
+        # Copies taken before any use: each hyperparameter-search trial starts from them (fresh state).
+        self._trick_templates = [_fresh_copy(trick) for trick in tricks]
+        self._streams: dict[str, TrickDataStream] = {}
+        self._use_tricks(built_in_tricks(args, user_tricks=tricks))
         if model is not None:
-            for trick in self.tricks:
-                trick.prepare_model(self, model)
+            self.call_tricks("prepare_model", model)
         super().__init__(model, args, *positional, **kwargs)
         self._check_compute_loss_func()
         self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
@@ -104,31 +125,111 @@ class TricksTrainer(Trainer):
         _upstream.set_loss_shifts_labels(self, self.loss_shifts_labels)
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
-        # Cumulative state of the tricks (counters, schedules): logged as is, saved with checkpoints.
-        self.trick_state: dict[str, float] = {}
-        stepping = [trick for trick in self.tricks if trick.overrides("training_step")]
-        if len(stepping) > 1:
-            raise ValueError(
-                f"{' and '.join(map(repr, stepping))} each run the whole training step; only one trick of a run may"
-            )
-        for trick in self.tricks:
-            self.add_callback(trick)
-            trick.setup(self)
+        # The trainer's own cumulative numbers (a subclass's counters): logged as they are, saved in the state store.
+        self._own_state: dict[str, float] = {}
+        self._optimizer_groups: dict | None = None  # the group signature, saved with each checkpoint
+        self._legacy_groups = False  # resuming an earlier TricksTrainer's optimizer state in its own group layout
+        self._step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
+        self._context: LossContext | None = None  # the loss context of the micro-batch being trained
+        self._check_capabilities()
+        # NEFTune: upstream's hook draws fresh noise at every forward, so a multi-pass step's passes would see other
+        # noise than the clean pass they perturb; with such a trick the passes share one draw (runtime/passes.py).
+        self.shared_neftune_alpha: float | None = None
+        if self.neftune_noise_alpha is not None and any(t.extra_backwards for t in self.tricks):
+            self.shared_neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        self._setup_tricks()
         # SIGTERM / SIGUSR1 / --max_time: a checkpoint at a step boundary, then stop (docs/checkpoints.md).
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
+
+    # ---- The tricks: building and dispatch -----------------------------------------------------------------------
+
+    def _use_tricks(self, tricks: list[Trick]) -> None:
+        """Take ``tricks`` (in their order) as this run's, refusing what cannot be built: a removed hook, two
+        implementations of an exclusive hook, two tricks with state under one name."""
+        for trick in tricks:
+            removed = [hook for hook in REMOVED_HOOKS if callable(getattr(type(trick), hook, None))]
+            if removed:
+                hook = removed[0]
+                raise TypeError(
+                    f"{trick!r} implements {hook}, which tricks no longer have; use {REMOVED_HOOKS[hook]} "
+                    "(docs/tricks.md)"
+                )
+        for hook, rule in HOOK_RULES.items():
+            if rule == "exclusive":
+                owners = [trick for trick in tricks if trick.overrides(hook)]
+                if len(owners) > 1:
+                    what = _EXCLUSIVE_WHAT.get(hook, f"each implement {hook}")
+                    raise ValueError(f"{' and '.join(map(repr, owners))} {what}; only one trick of a run may")
+        names = [trick.state_name for trick in tricks if trick.has_state()]
+        for name in sorted({n for n in names if names.count(n) > 1 or n == TRAINER_ENTRY}):
+            holders = [repr(t) for t in tricks if t.has_state() and t.state_name == name]
+            raise ValueError(
+                f"{' and '.join(holders)} keep state under one name, {name!r}; give each its own (set `name` on the "
+                "trick: MyTrick().name = 'a')"
+                if name != TRAINER_ENTRY
+                else f"{holders[0]} keeps state under {name!r}, the trainer's own entry; set another `name`"
+            )
+        #: The tricks of this run, in the order their hooks run.
+        self.tricks: list[Trick] = tricks
+        self._implementers = {hook: [t for t in tricks if t.overrides(hook)] for hook in HOOK_RULES}
+        self._requests = {request for t in tricks for request in t.outputs_needed}
+        unknown = self._requests - set(OUTPUT_REQUESTS)
+        if unknown:
+            raise ValueError(
+                f"outputs_needed asks for {sorted(unknown)}; a trick may ask for {', '.join(sorted(OUTPUT_REQUESTS))}"
+            )
+
+    def _setup_tricks(self) -> None:
+        for trick in self.tricks:
+            self.add_callback(trick)
+        self.call_tricks("setup")
+
+    def _check_capabilities(self) -> None:
+        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP."""
+        engines = (("deepspeed", "DeepSpeed", "is_deepspeed_enabled"), ("fsdp", "FSDP", "is_fsdp_enabled"))
+        for flag, engine, attribute in engines:
+            if not getattr(self, attribute, False):
+                continue
+            for trick in self.tricks:
+                if not getattr(trick, flag):
+                    why = f": {trick.unsupported_reason}" if trick.unsupported_reason else ""
+                    raise ValueError(f"{', '.join(trick.summary())} is not supported with {engine}{why}")
 
     def get_trick(self, kind: type[Trick]) -> Trick | None:
         """The run's trick of class ``kind`` (the first one), or ``None``."""
         return next((trick for trick in self.tricks if isinstance(trick, kind)), None)
 
-    def _first(self, hook: str, *args):
-        """The first answer other than ``None`` of the tricks' ``hook``, in their order."""
-        for trick in self.tricks:
-            answer = getattr(trick, hook)(self, *args)
-            if answer is not None:
-                return answer
-        return None
+    def call_tricks(self, hook: str, *args, value=None, training: bool = True):
+        """Run ``hook`` of the tricks that implement it, combined by its rule in :data:`~nlp_tricks.HOOK_RULES`.
+
+        ``chain`` hooks get ``value`` as their last argument and return the next; in evaluation
+        (``training=False``) the tricks with ``in_evaluation = False`` are skipped. An error inside a trick's hook
+        carries a note naming the trick and the hook.
+        """
+        rule = HOOK_RULES[hook]
+        tricks = self._implementers[hook]
+        if not training:
+            tricks = [trick for trick in tricks if trick.in_evaluation]
+        if rule == "nested":
+            return nested(self._call(trick, hook, args) for trick in tricks)
+        if rule == "merge":
+            return _merge_options([(trick, self._call(trick, hook, args)) for trick in tricks])
+        for trick in tricks:
+            if rule == "chain":
+                value = self._call(trick, hook, (*args, value))
+            else:
+                answer = self._call(trick, hook, args)
+                if rule in ("first", "exclusive") and answer is not None:
+                    return answer
+        return value if rule == "chain" else None
+
+    def _call(self, trick: Trick, hook: str, args: tuple):
+        try:
+            return getattr(trick, hook)(self, *args)
+        except Exception as error:
+            error.add_note(f"(in {trick!r}.{hook})")
+            raise
 
     # ---- Logging ---------------------------------------------------------------------------------------------------
 
@@ -136,6 +237,32 @@ class TricksTrainer(Trainer):
         """Record a per-step number; the next training log shows its mean since the previous log (over processes)."""
         value = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
         self._step_metrics[name].append(value)
+
+    def record_loss_term(self, name: str, term: torch.Tensor, num_items_in_batch=None) -> None:
+        """Log a loss term beside the logged ``loss``, on its scale. With ``num_items_in_batch`` the term is this
+        micro-batch's share of the step's per-item mean (over micro-batches and processes): scaled back up by both
+        counts."""
+        if num_items_in_batch is not None:
+            context = self._context
+            micro_batches = context.num_micro_batches if context is not None else 1
+            term = term * micro_batches * self.loss_scale_for_devices()
+        self.record_metric(name, term)
+
+    @property
+    def trick_state(self) -> dict:
+        """The cumulative numbers logged as they are in every training log: the trainer's own (a subclass writes
+        ``trainer.trick_state[name] = value``; saved with each checkpoint) and each trick's ``logged_state`` (read
+        from its ``state_dict()``)."""
+        logged = {}
+        for trick in self.tricks:
+            if trick.logged_state:
+                state = trick.state_dict()
+                logged.update({key: state[key] for key in trick.logged_state if key in state})
+        return _TrickState(self._own_state, logged)
+
+    @trick_state.setter
+    def trick_state(self, value: Mapping) -> None:
+        self._own_state = dict(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log (not eval, not the end-of-training summary)
@@ -148,12 +275,19 @@ class TricksTrainer(Trainer):
                     means = self.accelerator.reduce(means, reduction="mean")
                 logs.update({n: round(float(m), 4) for n, m in zip(names, means)})
                 self._step_metrics.clear()
-            logs.update(self.trick_state)
+            logs.update(dict(self.trick_state))
             if self.optimizer is not None and "learning_rate" in logs:
                 logs.update(group_learning_rates(self.optimizer.param_groups, logs["learning_rate"]))
         super().log(logs, start_time)
 
     # ---- Loss ------------------------------------------------------------------------------------------------------
+
+    @property
+    def loss_context(self) -> LossContext | None:
+        """Where the forward pass being computed stands (which pass, which micro-batch, the step's item count, this
+        micro-batch's share, the aligned batch and logits, the captured outputs): see
+        :class:`~nlp_tricks.trick.LossContext`. Set while :meth:`compute_loss` runs."""
+        return self._context
 
     def compute_loss(
         self,
@@ -171,33 +305,43 @@ class TricksTrainer(Trainer):
         without labels go to the model as they are; a ``compute_loss_func`` given to the constructor is upstream's.
         In training, the tricks' ``adjust_loss`` then add their terms (:meth:`adjust_loss`).
         """
-        if self.compute_loss_func is not None:
-            loss, outputs = self._compute_loss_with_loss_func(model, inputs, num_items_in_batch)
-        else:
-            label_key = self._label_key(inputs)
-            if label_key is None:
-                loss, outputs = self._compute_loss_without_labels(model, inputs)
+        training = model.training and torch.is_grad_enabled()
+        outer = self._context
+        if outer is None or not model.training:  # a call outside a training step (evaluation, a user's own call)
+            self._context = LossContext(phase="train" if model.training else "eval")
+        self._context.forget_pass()
+        try:
+            if self.compute_loss_func is not None:
+                loss, outputs = self._compute_loss_with_loss_func(model, inputs, num_items_in_batch)
             else:
-                loss, outputs = self._compute_labelled_loss(
-                    model, inputs, label_key, num_items_in_batch, return_outputs
-                )
-        if model.training and torch.is_grad_enabled():
-            adjusted = self.adjust_loss(inputs, outputs, loss, num_items_in_batch)
-            if adjusted is not loss and return_outputs:
-                outputs = self.outputs_with_loss(outputs, adjusted)
-            loss = adjusted
+                label_key = self._label_key(inputs)
+                if label_key is None:
+                    loss, outputs = self._compute_loss_without_labels(model, inputs)
+                else:
+                    loss, outputs = self._compute_labelled_loss(
+                        model, inputs, label_key, num_items_in_batch, return_outputs
+                    )
+            if training:
+                adjusted = self.adjust_loss(inputs, outputs, loss, num_items_in_batch)
+                if adjusted is not loss and return_outputs:
+                    outputs = self.outputs_with_loss(outputs, adjusted)
+                loss = adjusted
+        finally:
+            if outer is None or not model.training:
+                self._context = outer
         return (loss, outputs) if return_outputs else loss
 
     def _compute_labelled_loss(
         self, model: nn.Module, inputs: dict, label_key: str, num_items_in_batch, return_outputs
     ):
-        """The loss pipeline of a batch with one label column; the order of its stages is the contract."""
+        """The loss pipeline of a batch with one label column (the loop in :mod:`nlp_tricks.trick`)."""
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
         loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         own_loss_reason = self._model_loss_reason(model, labels)
+        context = self._context
         if own_loss_reason is not None:
             # Regression / multi-label: the model's own loss is a mean over its label elements.
             self._warn_tricks_do_not_apply(model, own_loss_reason, teacher_logits is not None)
@@ -206,53 +350,82 @@ class TricksTrainer(Trainer):
             if num_items is not None:
                 loss = loss * labels.ne(-100).sum() / num_items
         else:
+            training = model.training
             self._add_decoder_input_ids(model, inputs, labels)
             batch = LossBatch(inputs, labels, loss_labels, teacher_logits, num_items)
-            # 1. The batch (R-Drop: doubled).
-            for trick in self.tricks:
-                batch = trick.prepare_loss_batch(self, batch)
-            # 2. The forward; a trick may compute its loss inside it (the CRF, so DDP / FSDP see its scores used).
-            in_forward = self._first("loss_in_forward", batch)
-            with in_forward or contextlib.nullcontext():
+            batch = self.call_tricks("prepare_loss_batch", value=batch, training=training)
+            context.batch = batch
+            with self.call_tricks("forward_context", batch, training=training), self._capturing(model, batch):
                 outputs = self.forward_for_loss(model, batch.inputs, batch.labels)
-            if in_forward is not None:
+            if batch.loss_in_outputs:
                 loss = output_loss(outputs)
+                context.logits = output_logits(outputs)
             else:
-                # 3. The loss of each head's logits (multi-sample dropout: K heads), with the tricks' terms on them
-                # (R-Drop's KL), then their mean.
+                logits = output_logits(outputs)
+                context.logits = logits
                 losses = []
-                for logits in self.head_samples(output_logits(outputs)):
-                    if batch.teacher_logits is not None:
-                        sample_loss = self.compute_distillation_loss(logits, batch)
-                    else:
-                        sample_loss = self.compute_tricks_loss(logits, batch.loss_labels, num_items_in_batch=num_items)
-                    for trick in self.tricks:
-                        sample_loss = trick.adjust_logits_loss(self, logits, batch, sample_loss)
+                for sample in self.head_samples(logits):
+                    sample_loss = self.compute_tricks_loss(sample, batch.loss_labels, num_items_in_batch=num_items)
+                    sample_loss = self.call_tricks(
+                        "adjust_logits_loss", sample, batch, value=sample_loss, training=training
+                    )
                     losses.append(sample_loss)
                 loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
                 if return_outputs:  # as a model given labels returns them
                     outputs = self.outputs_with_loss(outputs, loss)
-        # 4. DDP averages gradients over processes: a loss normalised by the all-process count is scaled back up.
+        # DDP averages gradients over processes: a loss normalised by the all-process count is scaled back up.
         if num_items is not None:
             loss = loss * self.loss_scale_for_devices()
         return loss, outputs
+
+    @contextlib.contextmanager
+    def _capturing(self, model: nn.Module, batch: LossBatch) -> Iterator[None]:
+        """Capture what the tricks' ``outputs_needed`` ask for, in training forwards only, into the loss context."""
+        if not self._requests or not model.training:
+            yield
+            return
+        context, handles = self._context, []
+        unwrapped = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        if "hidden_states" in self._requests:
+            batch.inputs = {**batch.inputs, "output_hidden_states": True}
+        if "embedding_output" in self._requests:
+            # Registered now, so it runs after every other hook of the module (NEFTune, an attack's perturbation).
+            module = resolve_embedding_module(unwrapped)
+            handles.append(module.register_forward_hook(lambda m, a, out: setattr(context, "embedding_output", out)))
+        if "pooled" in self._requests:
+            # First among the head's pre-hooks: the features before multi-sample dropout's masks.
+            head = find_classifier(unwrapped)[1]
+            handles.append(head.register_forward_pre_hook(lambda m, a: setattr(context, "pooled", a[0]), prepend=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def adjust_loss(self, inputs: dict, outputs, loss: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         """The training loss with every trick's ``adjust_loss`` term.
 
         The tricks see the micro-batch's mean loss per item; what they add is weighed by the micro-batch's share of
-        the step's items (``local items / num_items_in_batch``, times the device scaling), as the loss itself is, so
-        their terms stay exact under gradient accumulation and DDP. A trick that returns the loss unchanged leaves it
-        bitwise unchanged.
+        the step's items (``local items / num_items_in_batch``, times the device scaling: ``loss_context.share``), as
+        the loss itself is, so their terms stay exact under gradient accumulation and DDP. ``inputs`` and ``outputs``
+        have the same rows (under R-Drop: the doubled batch, labels included). A trick that returns the loss
+        unchanged leaves it bitwise unchanged.
         """
-        adjusters = [trick for trick in self.tricks if trick.overrides("adjust_loss")]
-        if not adjusters:
+        if not self._implementers["adjust_loss"]:
             return loss
+        context = self._context
         weight = self._micro_batch_weight(inputs, num_items_in_batch)
+        context.share = weight
+        if context.batch is not None:  # the rows the forward ran on (R-Drop: the doubled batch), labels included
+            batch, label_key = context.batch, self._label_key(inputs)
+            inputs = {k: v for k, v in batch.inputs.items() if k != "output_hidden_states" or k in inputs}
+            inputs[label_key] = batch.labels
+            if batch.teacher_logits is not None:
+                inputs["teacher_logits"] = batch.teacher_logits
+        if context.hidden_states is None and isinstance(outputs, Mapping):
+            context.hidden_states = outputs.get("hidden_states")
         mean = loss if weight is None else loss / weight
-        adjusted = mean
-        for trick in adjusters:
-            adjusted = trick.adjust_loss(self, inputs, outputs, adjusted)
+        adjusted = self.call_tricks("adjust_loss", inputs, outputs, value=mean)
         if weight is None:
             return adjusted
         return loss + (adjusted - mean) * weight
@@ -270,40 +443,29 @@ class TricksTrainer(Trainer):
     def count_items(self, labels: torch.Tensor) -> torch.Tensor:
         """The items of ``labels`` (shifted for a causal LM) the loss divides by: the first trick's count (a CRF's
         sentences, class weights' weight sum), else the labelled positions."""
-        count = self._first("count_items", labels)
+        count = self.call_tricks("count_items", labels)
         return labels.ne(-100).sum() if count is None else count
 
     def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
         """The forward pass whose logits the loss is taken on; ``inputs`` no longer hold ``labels``.
 
-        ``labels`` are the batch's, unshifted. Extension point; by default the first trick's ``forward`` (scheduled
+        ``labels`` are the batch's, unshifted. Extension point; by default the trick's ``forward`` (scheduled
         sampling's two passes in training), else ``model(**inputs)``.
         """
-        outputs = self._first("forward", model, inputs, labels)
+        outputs = self.call_tricks("forward", model, inputs, labels, training=model.training)
         return model(**inputs) if outputs is None else outputs
 
     def head_samples(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """The logits of each head of the last forward the loss averages over (multi-sample dropout's K heads), or
         just ``[logits]``."""
-        return self._first("head_samples", logits) or [logits]
+        return self.call_tricks("head_samples", logits, training=self.model.training) or [logits]
 
     def compute_tricks_loss(
         self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """The configured loss on ``logits`` (float32): a mean, or ``sum / num_items_in_batch``; the first trick's
-        ``compute_loss`` (the CRF's, a user trick's, else the ``loss_type`` one)."""
-        return self._first("compute_loss", logits, labels, num_items_in_batch)
-
-    def compute_distillation_loss(self, logits: torch.Tensor, batch: LossBatch) -> torch.Tensor:
-        """The loss of a batch that carries ``teacher_logits`` (self-training with soft labels)."""
-        return distillation_loss(
-            logits,
-            batch.teacher_logits,
-            batch.loss_labels,
-            temperature=self.args.distill_temperature,
-            alpha=self.args.distill_alpha,
-            num_items_in_batch=batch.num_items,
-        )
+        ``compute_loss`` (the CRF's, distillation's, a user trick's, else the ``loss_type`` one)."""
+        return self.call_tricks("compute_loss", logits, labels, num_items_in_batch, training=self.model.training)
 
     # --- Causal LM ---
 
@@ -368,6 +530,17 @@ class TricksTrainer(Trainer):
 
     # ---- Drop-in compatibility -------------------------------------------------------------------------------------
 
+    def _labelled_pipeline_tricks(self) -> list[str]:
+        """The loss tricks that act through the labelled pipeline's stages other than ``compute_loss`` (R-Drop's
+        doubled batch, a CRF's forward, multi-sample dropout's heads): what a batch without one label column skips."""
+        stages = ("prepare_loss_batch", "forward_context", "forward", "head_samples", "adjust_logits_loss")
+        return [
+            setting
+            for trick in self.tricks
+            if trick.changes_loss and any(trick.overrides(stage) for stage in stages)
+            for setting in trick.summary()
+        ]
+
     def _loss_tricks_in_use(self) -> list[str]:
         """The tricks that change the loss, as ``field=value``: what a model's own loss or compute_loss_func skips."""
         return [setting for trick in self.tricks if trick.changes_loss for setting in trick.summary()]
@@ -413,11 +586,13 @@ class TricksTrainer(Trainer):
         names = self.label_names
         if set(names) == {"start_positions", "end_positions"} and all(inputs.get(n) is not None for n in names):
             return self._question_answering_loss(model, inputs)
-        if model.training and self.args.rdrop_alpha > 0:
-            self._warn_once(
-                f"rdrop_alpha={self.args.rdrop_alpha} cannot apply to batches without one label column "
-                "(question answering, several label columns): they train without it"
-            )
+        if model.training:
+            skipped = self._labelled_pipeline_tricks()
+            if skipped:
+                self._warn_once(
+                    f"{', '.join(skipped)} cannot apply to batches without one label column (question answering, "
+                    "several label columns): they train without it"
+                )
         if len(names) > 1 and any(inputs.get(name) is not None for name in names):
             self._warn_tricks_do_not_apply(model, f"several label columns ({', '.join(names)})")
             outputs = model(**inputs)  # not upstream's compute_loss: its label smoother would take `labels` alone
@@ -499,25 +674,30 @@ class TricksTrainer(Trainer):
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if trial is None or self.hp_search_backend is None:  # a trial's tricks are built by _hp_search_setup
-            for trick in self.tricks:
-                trick.prepare_model(self, model)
+            self.call_tricks("prepare_model", model)
         return model
 
     def _hp_search_setup(self, trial) -> None:
         """Upstream sets the trial's arguments on ``args``; the tricks are then checked and built again from them
-        (every trick field applies in a trial, and a bad value is refused naming the field)."""
+        (every trick field applies in a trial, a bad value is refused naming the field), and each of your tricks
+        starts the trial as a fresh copy of the one you passed (no state carried over from an earlier trial)."""
         super()._hp_search_setup(trial)
         if self.hp_search_backend is None or trial is None:
             return
         self.args.revalidate()
-        built_in = tuple(BUILT_IN_TRICKS)
         for trick in self.tricks:
             self.remove_callback(trick)
-        self.tricks = built_in_tricks(self.args, user_tricks=[t for t in self.tricks if not isinstance(t, built_in)])
-        for trick in self.tricks:
-            trick.prepare_model(self, self.model)
-            self.add_callback(trick)
-            trick.setup(self)
+        self._streams.clear()
+        self._use_tricks(built_in_tricks(self.args, user_tricks=[_fresh_copy(t) for t in self._trick_templates]))
+        self.call_tricks("prepare_model", self.model)
+        self._check_capabilities()
+        self._setup_tricks()
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """Upstream's, keeping the optimizer step's micro-batches for the loss context (``step_batches``)."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step = {"batches": batch_samples, "num_items": num_items_in_batch, "next": 0, "counts": {}}
+        return batch_samples, num_items_in_batch
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
         """Upstream counts labelled positions; a trick may count other items (a CRF's sentences, class weights' weight
@@ -526,7 +706,7 @@ class TricksTrainer(Trainer):
         if labels and all(torch.is_tensor(x) and not x.is_floating_point() for x in labels):
             if self.loss_shifts_labels:  # causal LMs: position t is scored against label t + 1
                 labels = [x[..., 1:] for x in labels]
-            counts = [self._first("count_items", x.to(device)) for x in labels]
+            counts = [self.call_tricks("count_items", x.to(device)) for x in labels]
             if all(count is not None for count in counts):
                 return _upstream.reduce_item_count(self, sum(counts), device)
         return super()._get_num_items_in_batch(batch_samples, device)
@@ -534,42 +714,54 @@ class TricksTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Upstream's step, with the logits passed through the tricks (a CRF's Viterbi paths as one-hot scores)."""
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        changing = [trick for trick in self.tricks if trick.overrides("prediction_step")]
-        if changing and logits is not None:
+        if self._implementers["adjust_predictions"] and logits is not None:
             first = logits[0] if isinstance(logits, (tuple, list)) else logits
-            for trick in changing:
-                first = trick.prediction_step(self, first, inputs)
+            first = self.call_tricks("adjust_predictions", inputs, value=first, training=False)
             logits = type(logits)([first, *logits[1:]]) if isinstance(logits, (tuple, list)) else first
         return loss, logits, labels
 
     # ---- Optimizer -------------------------------------------------------------------------------------------------
 
+    def _group_rules(self, model: nn.Module) -> dict | None:
+        """The group rules of this run (the tricks' ``param_group_options``: ``head_lr_scale`` / ``layer_decay``, a
+        CRF's own lr, name patterns), or ``None`` when there is none: then the groups are upstream's own."""
+        options = self.call_tricks("param_group_options", model)
+        return options if any(value not in (None, 1.0, (), {}) for value in options.values()) else None
+
     def build_optimizer_groups(self, model: nn.Module) -> list[dict]:
         """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups`, the arguments and the
-        tricks' rules (a CRF's scores: their own lr, no weight decay)."""
-        no_decay, module_lr_scales = NO_DECAY_PATTERNS, {}
-        for trick in self.tricks:
-            options = trick.param_group_options(self, model)
-            no_decay = no_decay + tuple(options.get("no_decay", ()))
-            module_lr_scales.update(options.get("module_lr_scales") or {})
+        tricks' rules (a CRF's scores: their own lr, no weight decay; name patterns whose lr factors multiply with
+        layer decay and the head scale). With no rule on, upstream's two groups (decay, no decay)."""
+        options = self._group_rules(model)
+        if options is None and not self._legacy_groups:
+            return upstream_param_groups(self, model)
+        options = options or {}
         groups = build_param_groups(
             model,
             learning_rate=self.args.learning_rate,
             weight_decay=self.args.weight_decay,
-            head_lr_scale=self.args.head_lr_scale,
-            layer_decay=self.args.layer_decay,
-            no_decay=no_decay,
-            module_lr_scales=module_lr_scales or None,
+            head_lr_scale=options.get("head_lr_scale", 1.0),
+            layer_decay=options.get("layer_decay", 1.0),
+            no_decay=NO_DECAY_PATTERNS + tuple(options.get("no_decay", ())),
+            module_lr_scales=options.get("module_lr_scales") or None,
+            lr_scales=options.get("lr_scales") or None,
         )
         for group in groups:
             group.pop("names")
         return groups
 
     def create_optimizer(self, model=None):
-        """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups."""
+        """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups (upstream's own optimizer
+        when no group rule is on and the method is not overridden, so checkpoints move between ``Trainer`` and
+        ``TricksTrainer`` both ways)."""
         opt_model = self.model if model is None else model
         if self.optimizer is not None:
             return self.optimizer
+        overridden = type(self).build_optimizer_groups is not TricksTrainer.build_optimizer_groups
+        if not overridden and not self._legacy_groups and self._group_rules(opt_model) is None:
+            optimizer = super().create_optimizer(model)
+            self._optimizer_groups = self._group_signature(optimizer.param_groups)
+            return optimizer
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
@@ -578,54 +770,97 @@ class TricksTrainer(Trainer):
             key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")
         )
         if builds_own_groups:
-            if self.args.head_lr_scale != 1.0 or self.args.layer_decay != 1.0:
-                raise ValueError(
-                    f"optim={self.args.optim!r} builds its own parameter groups, so head_lr_scale and layer_decay "
-                    "cannot apply; set both to 1.0 or choose another optimizer"
-                )
-            return super().create_optimizer(model)
+            rules = [s for t in self._implementers["param_group_options"] for s in t.summary()]
+            raise ValueError(
+                f"optim={self.args.optim!r} builds its own parameter groups, so the group rules of this run "
+                f"({', '.join(rules)}) cannot apply; turn them off or choose another optimizer"
+            )
         groups = self.build_optimizer_groups(opt_model)
         # Saved with each checkpoint: a resume whose settings would build other groups is refused, naming them.
-        self._trick_state_callback().optimizer_groups = self._group_signature(groups)
+        self._optimizer_groups = self._group_signature(groups)
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
     def _group_signature(self, groups: list[dict]) -> dict:
-        settings = {name: getattr(self.args, name) for name in ("head_lr_scale", "layer_decay", "weight_decay")}
-        return group_signature(groups, {**settings, "tricks": [s for t in self.tricks for s in t.summary()]})
+        settings = {name: getattr(self.args, name, None) for name in ("head_lr_scale", "layer_decay", "weight_decay")}
+        rules = [s for t in self._implementers["param_group_options"] for s in t.summary()]
+        tricks = [s for t in self.tricks for s in t.summary()]
+        return group_signature(groups, {**settings, "tricks": tricks, "group_rules": rules})
 
-    # --- Checkpoints ---
+    # ---- State and checkpoints ---------------------------------------------------------------------------------
 
-    @property
-    def trick_state(self) -> dict[str, float]:
-        """Cumulative numbers of the tricks (counters, schedules): logged as they are, saved with each checkpoint in
-        ``trainer_state.json`` and restored on resume (held by a :class:`~nlp_tricks.resume.TrickStateCallback`).
-        """
-        return self._trick_state_callback().trick_state
-
-    @trick_state.setter
-    def trick_state(self, value: dict[str, float]) -> None:
-        self._trick_state_callback().trick_state = dict(value)
-
-    def _trick_state_callback(self) -> TrickStateCallback:
-        # Looked up each time: with `restore_callback_states_from_checkpoint` the Trainer swaps in a new instance.
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, TrickStateCallback):
-                return callback
-        callback = TrickStateCallback()
-        self.add_callback(callback)
-        return callback
+    def _state_holders(self) -> dict[str, object]:
+        """Everything whose ``state_dict()`` each checkpoint carries, by its unique name: the tricks with state and
+        the tricks' data streams."""
+        holders = {trick.state_name: trick for trick in self.tricks if trick.has_state()}
+        holders.update(self._streams)
+        return holders
 
     def _trick_states_file_needed(self) -> bool:
-        return any(trick.has_state() for trick in self.tricks)
+        return bool(self._state_holders())
 
     @property
-    def required_checkpoint_files(self) -> tuple[str, ...]:
-        """Files the tricks of this run need in a ``checkpoint-N`` folder to resume from it (their saved state)."""
-        files = [name for trick in self.tricks for name in trick.checkpoint_files(self)]
-        if self._trick_states_file_needed():
-            files.append(TRICKS_STATE_NAME)
-        return tuple(files)
+    def required_checkpoint_files(self) -> tuple:
+        """What the tricks of this run need in a ``checkpoint-N`` folder to resume from it: their entries in the
+        state store (a checkpoint written before the store: the files that held the same state then)."""
+        holders = self._state_holders()
+        if not holders:
+            return ()
+        legacy = all(hasattr(h, "legacy_state") or getattr(h, "logged_state", ()) for h in holders.values())
+        files = tuple(name for h in holders.values() for name in getattr(h, "legacy_files", ()))
+        return (StateEntries(tuple(holders), legacy=legacy, legacy_files=files),)
+
+    def _save_trick_states(self, folder: str) -> None:
+        states = {name: holder.state_dict() for name, holder in self._state_holders().items()}
+        states[TRAINER_ENTRY] = {"trick_state": dict(self._own_state), "optimizer_groups": self._optimizer_groups}
+        save_trick_states(os.path.join(folder, TRICKS_STATE_NAME), states)
+
+    def _load_trick_states(self, checkpoint: str) -> None:
+        """Restore every state holder's entry of ``checkpoint`` (one written before the state store: from its
+        ``trainer_state.json`` counters and ``ema_state.safetensors``)."""
+        states = checkpoint_trick_states(checkpoint)
+        legacy = legacy_state(checkpoint) if states is None or TRAINER_ENTRY not in states else None
+        states = states or {}
+        own = states.get(TRAINER_ENTRY) or {}
+        self._own_state.clear()
+        self._own_state.update(own.get("trick_state") or (legacy or {}).get("trick_state") or {})
+        for name, holder in self._state_holders().items():
+            state = states.get(name)
+            if state is None and legacy is not None:
+                state = _legacy_state_of(holder, legacy)
+            if state is not None:
+                holder.load_state_dict(state)
+        if legacy is not None:  # counters of the trainer's own are those no trick claimed
+            claimed = {key for trick in self.tricks for key in trick.logged_state}
+            for key in claimed & set(self._own_state):
+                del self._own_state[key]
+
+    def _saved_group_signature(self, checkpoint: str) -> dict | None:
+        states = checkpoint_trick_states(checkpoint) or {}
+        if TRAINER_ENTRY in states:
+            return states[TRAINER_ENTRY].get("optimizer_groups")
+        return legacy_state(checkpoint)["optimizer_groups"]
+
+    def _check_optimizer_groups(self, checkpoint: str) -> None:
+        """Refuse, naming the settings, a resume whose optimizer groups differ from the checkpoint's. A checkpoint of
+        an earlier TricksTrainer with no group rule on (its groups split body / head, not upstream's decay / no
+        decay) resumes in its own layout."""
+        saved = self._saved_group_signature(checkpoint)
+        current = self._group_signature(self.build_optimizer_groups(self.model))
+        problem = optimizer_groups_problem(checkpoint, current, saved)
+        if problem is not None and self._group_rules(self.model) is None:
+            self._legacy_groups = True
+            if (
+                optimizer_groups_problem(
+                    checkpoint, self._group_signature(self.build_optimizer_groups(self.model)), saved
+                )
+                is None
+            ):
+                logger.info(f"{checkpoint} holds an earlier TricksTrainer's optimizer groups: resuming in that layout")
+                return
+            self._legacy_groups = False
+        if problem is not None:
+            raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the
@@ -646,26 +881,19 @@ class TricksTrainer(Trainer):
                 raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
         checkpoint = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
         if checkpoint is not None and self.model is not None:
-            current = self._group_signature(self.build_optimizer_groups(self.model))
-            problem = optimizer_groups_problem(checkpoint, current)
-            if problem is not None:
-                raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
-        for trick in self.tricks:
-            trick.resume(self, checkpoint)
-        if checkpoint is not None and self._trick_states_file_needed():
-            states = checkpoint_trick_states(checkpoint) or {}
-            for trick in self.tricks:
-                if trick.has_state() and trick.state_name in states:
-                    trick.load_state_dict(states[trick.state_name])
+            self._check_optimizer_groups(checkpoint)
+        if checkpoint is not None:
+            self._load_trick_states(checkpoint)
         with self.preemption.signal_handlers():  # restored even if training raises
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
         self.preempted = self.preemption.stopped_by
         if self.preempted is None:  # a stopped run is not finished: no SWA average, no best EMA
-            for trick in self.tricks:
-                trick.train_end(self)
+            self.call_tricks("train_end")
         return output
+
+    # ---- The training step ---------------------------------------------------------------------------------------
 
     def training_step(
         self,
@@ -675,24 +903,73 @@ class TricksTrainer(Trainer):
     ) -> torch.Tensor:
         """Upstream's training step, unless a trick runs the step (``--adversarial``: the attack's passes added;
         the returned, logged loss is the clean one)."""
-        for trick in self.tricks:
-            if trick.overrides("training_step"):
-                loss = trick.training_step(self, model, inputs, num_items_in_batch)
-                if loss is not None:
-                    return loss
-        return super().training_step(model, inputs, num_items_in_batch)
+        step = self._step
+        batches = step.get("batches") or []
+        self._context = LossContext(
+            phase="train",
+            micro_batch=step.get("next", 0),
+            num_micro_batches=max(len(batches), 1),
+            num_items_in_batch=self._normalizer(num_items_in_batch),
+            step_batches=batches,
+            _reduce=self._sum_over_processes,
+            _counts=step.setdefault("counts", {}),
+        )
+        step["next"] = step.get("next", 0) + 1
+        try:
+            loss = self.call_tricks("training_step", model, inputs, num_items_in_batch)
+            if loss is None:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._context = None
+        return loss
+
+    def step_context(self) -> LossContext:
+        """The loss context of the micro-batch being trained (for a trick's :meth:`multi_pass` passes)."""
+        if self._context is None:
+            raise RuntimeError("step_context() is only available inside training_step")
+        return self._context
+
+    @contextlib.contextmanager
+    def using_step_context(self, context: LossContext) -> Iterator[None]:
+        """Make ``context`` the current one (SAM replays a kept micro-batch at the end of the step)."""
+        outer, self._context = self._context, context
+        try:
+            yield
+        finally:
+            self._context = outer
+
+    def multi_pass(
+        self, model: nn.Module, inputs: dict, num_items_in_batch=None, *, extra_pass: str = "extra", **options
+    ) -> MultiPassStep:
+        """A training step of several forward / backward passes over this micro-batch, with upstream's preamble,
+        the micro-batch boundary and the passes' shared draws: see :class:`~nlp_tricks.runtime.passes.MultiPassStep`
+        (``options``: ``share_dropout``)."""
+        return MultiPassStep(self, model, inputs, num_items_in_batch, extra_pass=extra_pass, **options)
+
+    def data_stream(self, name: str, dataset, **options) -> TrickDataStream:
+        """A trick's own stream of batches (unlabelled text for a consistency term, a replay buffer): sharded over
+        processes, one batch per micro-batch, its position saved in every checkpoint under ``name`` and restored on
+        resume. ``options``: see :class:`~nlp_tricks.runtime.streams.TrickDataStream`. Call it in ``setup``."""
+        taken = {trick.state_name for trick in self.tricks if trick.has_state()} | set(self._streams) | {TRAINER_ENTRY}
+        if name in taken:
+            raise ValueError(
+                f"data_stream name {name!r} is taken (by a trick's state or another stream); choose another"
+            )
+        stream = TrickDataStream(self, dataset, **options)
+        self._streams[name] = stream
+        return stream
+
+    def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.args.device)
+        if self.accelerator.num_processes > 1:
+            value = self.accelerator.reduce(value, reduction="sum")
+        return value
 
     # ---- Evaluation and saving -------------------------------------------------------------------------------------
 
-    @property
-    def ema(self) -> EMA | None:
-        """The :class:`~nlp_tricks.averaging.EMA` of the model (``--ema_decay``), built when training starts."""
-        trick = self.get_trick(ExponentialMovingAverage)
-        return None if trick is None else trick.ema
-
     def _eval_weights(self):
         """The weights the tricks choose for evaluation and the final model (the EMA's with ``--ema_eval``)."""
-        return nested(trick.eval_weights(self) for trick in self.tricks)
+        return self.call_tricks("eval_weights")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
         """Upstream ``evaluate``, with the weights the tricks choose (``--ema_eval``: the EMA's; the raw ones are
@@ -710,11 +987,11 @@ class TricksTrainer(Trainer):
             )
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Upstream ``save_model``, plus the tricks' files.
+        """Upstream ``save_model``, plus the tricks' state.
 
-        - Into a ``checkpoint-N`` folder: the raw weights, each trick's files (the EMA's ``ema_state.safetensors``)
-          and the states of tricks that keep one (``tricks_state.safetensors``), all written before
-          ``trainer_state.json``, so a complete checkpoint holds them.
+        - Into a ``checkpoint-N`` folder: the raw weights and the state store (``tricks_state.safetensors``: every
+          trick's ``state_dict()``, the EMA's tensors included), written before ``trainer_state.json``, so a
+          complete checkpoint holds it.
         - Anywhere else (the final model): the weights the tricks choose (the EMA's with ``--ema_eval``, the
           checkpoint average after ``--swa_last_k``), with an ``averaging.json`` beside them saying so.
         """
@@ -722,13 +999,9 @@ class TricksTrainer(Trainer):
         if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(output_dir))):
             super().save_model(output_dir, _internal_call)
             if self.args.should_save:
-                for trick in self.tricks:
-                    trick.save_checkpoint(self, output_dir)
-                if self._trick_states_file_needed():
-                    states = {trick.state_name: trick.state_dict() for trick in self.tricks if trick.has_state()}
-                    save_trick_states(os.path.join(output_dir, TRICKS_STATE_NAME), states)
+                self._save_trick_states(output_dir)
             return
-        info = self._first("saved_weights_info")
+        info = self.call_tricks("saved_weights_info")
         with self._eval_weights():
             super().save_model(output_dir, _internal_call)
         if self.args.should_save and os.path.isdir(output_dir):
@@ -746,4 +1019,78 @@ class TricksTrainer(Trainer):
         if not self.is_world_process_zero() or not os.path.isfile(path):
             return
         with open(path, "a", encoding="utf-8") as f:
-            f.write(tricks_section(self.tricks, self._first("saved_weights_info")))
+            f.write(tricks_section(self.tricks, self.call_tricks("saved_weights_info")))
+
+
+class _TrickState(dict):
+    """``trainer.trick_state``: the trainer's own numbers over the tricks' logged ones, as a plain dict (it
+    serialises); what is written into it goes through to the trainer's own store."""
+
+    def __init__(self, own: dict, logged: dict):
+        super().__init__({**logged, **own})
+        self._own = own
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._own[key] = value
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._own.pop(key, None)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+def _legacy_state_of(holder, legacy: dict) -> dict | None:
+    """A state holder's entry from a checkpoint written before the state store: its own conversion, else its
+    ``logged_state`` counters as ``trainer_state.json`` kept them."""
+    if hasattr(holder, "legacy_state"):
+        return holder.legacy_state(legacy)
+    counters = {
+        key: legacy["trick_state"][key] for key in getattr(holder, "logged_state", ()) if key in legacy["trick_state"]
+    }
+    return counters or None
+
+
+def _fresh_copy(trick: Trick) -> Trick:
+    """A copy of ``trick`` with none of the state a run gives it (a trick that cannot be copied is reused)."""
+    try:
+        return copy.deepcopy(trick)
+    except Exception:  # a trick holding something uncopyable (a model, an open file): its own responsibility
+        return trick
+
+
+def _merge_options(answers: list[tuple[Trick, dict]]) -> dict:
+    """``param_group_options`` of several tricks combined (rule ``merge``)."""
+    merged: dict = {}
+    owners: dict[tuple[str, object], Trick] = {}
+    for trick, options in answers:
+        for key, value in (options or {}).items():
+            if isinstance(value, Mapping):
+                target = merged.setdefault(key, {})
+                for name, item in value.items():
+                    if name in target and target[name] != item:
+                        raise ValueError(
+                            f"{owners[(key, name)]!r} and {trick!r} both set {key}[{name!r}] ({target[name]} and "
+                            f"{item}); only one trick may"
+                        )
+                    target[name] = item
+                    owners[(key, name)] = trick
+            elif isinstance(value, (list, tuple)):
+                merged[key] = tuple(merged.get(key, ())) + tuple(value)
+            else:
+                if key in merged and merged[key] != value:
+                    raise ValueError(
+                        f"{owners[(key, None)]!r} and {trick!r} both set {key} ({merged[key]} and {value}); only one "
+                        "trick may"
+                    )
+                merged[key] = value
+                owners[(key, None)] = trick
+    return merged

@@ -36,9 +36,10 @@ from nlp_tricks.averaging import (
 from nlp_tricks.checkpoint import CheckpointMismatchError
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.crf import add_crf, load_crf_model
+from nlp_tricks.runtime.state import TRICKS_STATE_NAME, load_trick_states
 from recipe_helpers import launch_ddp_script, ner_files, rank_report, run_in_process, tiny_args
 from scripts import resume_run
-from tiny import bert_config, bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
+from tiny import bert_config, bert_seq_cls, bert_token_cls, ema_of, seq_cls_data, token_cls_data, tricks_args
 
 from ablation import CONFIGURATIONS
 
@@ -212,8 +213,11 @@ def test_trainer_ema_updates_once_per_optimizer_step_under_accumulation(tmp_path
     )  # fmt: skip
     trainer = TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=24), callbacks=[recorder])
     trainer.train()
-    assert len(recorder.after_step) == 4 and trainer.ema.num_updates == 4  # 12 micro-batches, 4 optimizer steps
-    assert_ema_close(trainer.ema.state_dict()["shadow"], hand_ema(initial, recorder.after_step, 0.2, warmup))
+    assert len(recorder.after_step) == 4 and ema_of(trainer).num_updates == 4  # 12 micro-batches, 4 optimizer steps
+    assert_ema_close(
+        ema_of(trainer).state_dict()["shadow"],
+        hand_ema(initial, recorder.after_step, 0.2, warmup),
+    )
 
 
 def _eval_reference(model_state: dict, eval_data, tmp_path):
@@ -255,7 +259,7 @@ def test_ema_eval_metrics_equal_a_copy_loaded_with_the_hand_average_and_raw_weig
     # The checkpoints hold the raw weights and the EMA of their step.
     saved = load_file(tmp_path / "ema" / "checkpoint-2" / "model.safetensors")
     assert torch.equal(saved["classifier.weight"], recorder.after_step[1]["classifier.weight"])
-    saved_ema = load_file(tmp_path / "ema" / "checkpoint-2" / EMA_STATE_NAME)
+    saved_ema = load_trick_states(str(tmp_path / "ema" / "checkpoint-2" / TRICKS_STATE_NAME))["EMA"]["shadow"]
     assert_ema_close(saved_ema, hand_ema(initial, recorder.after_step[:2], 0.7, True))
 
     # evaluate / predict after training: the final EMA, raw weights bitwise back.
@@ -270,7 +274,7 @@ def test_ema_eval_metrics_equal_a_copy_loaded_with_the_hand_average_and_raw_weig
     # The final save holds the EMA weights and says so; the in-memory model keeps the raw ones.
     trainer.save_model(str(tmp_path / "final"))
     final = load_file(tmp_path / "final" / "model.safetensors")
-    shadow = trainer.ema.state_dict()["shadow"]
+    shadow = ema_of(trainer).state_dict()["shadow"]
     for name in shadow:
         assert torch.equal(final[name], shadow[name]), name
     info = json.loads((tmp_path / "final" / AVERAGING_INFO_NAME).read_text())
@@ -302,9 +306,9 @@ def test_load_best_model_at_end_takes_the_best_checkpoints_ema(tmp_path):
     best = min(evals, key=evals.get)
     assert best != 4  # (here: 1) so the final EMA had to be replaced by the best checkpoint's
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
-    saved = load_file(tmp_path / f"checkpoint-{best}" / EMA_STATE_NAME)
-    assert trainer.ema.num_updates == best
-    for name, value in trainer.ema.state_dict()["shadow"].items():
+    saved = load_trick_states(str(tmp_path / f"checkpoint-{best}" / TRICKS_STATE_NAME))["EMA"]["shadow"]
+    assert ema_of(trainer).num_updates == best
+    for name, value in ema_of(trainer).state_dict()["shadow"].items():
         assert torch.equal(value, saved[name]), name
 
 
@@ -332,11 +336,11 @@ def test_kill_9_with_a_torn_newest_checkpoint_resumes_to_the_same_raw_and_ema_we
         status = _killed_in_child(lambda: resume_run.run(crashed, config, kill_after_save=6))
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"wait status {status}"
         newest = crashed / "checkpoint-6"
-        data = (newest / EMA_STATE_NAME).read_bytes()
-        (newest / EMA_STATE_NAME).write_bytes(data[: len(data) // 2])  # torn mid-write
+        data = (newest / TRICKS_STATE_NAME).read_bytes()
+        (newest / TRICKS_STATE_NAME).write_bytes(data[: len(data) // 2])  # torn mid-write
         with caplog.at_level(logging.WARNING, logger="nlp_tricks.resume"):
             resume_run.run(crashed, config, resume=True)
-        assert f"Skipping incomplete checkpoint {newest}: {EMA_STATE_NAME} is truncated" in caplog.text
+        assert f"Skipping incomplete checkpoint {newest}: {TRICKS_STATE_NAME} is truncated" in caplog.text
     finally:
         torch.set_num_threads(threads)
     for name in ("final.safetensors", "final_ema.safetensors"):
@@ -359,7 +363,7 @@ def test_resuming_a_checkpoint_without_ema_state_is_an_error_naming_it(tmp_path)
     TricksTrainer(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=8)).train()
     args = tricks_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, ema_decay=0.9)
     trainer = TricksTrainer(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=16))
-    with pytest.raises(ValueError, match=f"checkpoint-2' is incomplete: {EMA_STATE_NAME} is missing"):
+    with pytest.raises(ValueError, match=f"checkpoint-2' is incomplete: {TRICKS_STATE_NAME} holds no state for EMA"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     with pytest.raises(ValueError, match="No complete checkpoint found"):
         trainer.train(resume_from_checkpoint=True)

@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-import nlp_tricks.tricks.loss as loss_module
+import nlp_tricks.tricks.loss_type as loss_module
 from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 
 

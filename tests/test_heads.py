@@ -11,8 +11,8 @@ from transformers import HfArgumentParser, RobertaConfig, RobertaForSequenceClas
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.heads import MultiSampleDropout, find_classifier
 from nlp_tricks.losses import balanced_class_weights, cross_entropy, label_smoothing_cross_entropy
-from nlp_tricks.tricks.loss import LossFunction
-from nlp_tricks.tricks.multi_sample_dropout import MultiSampleDropout as MultiSampleDropoutTrick
+from nlp_tricks.tricks.head_dropout import MultiSampleDropoutHead as MultiSampleDropoutTrick
+from nlp_tricks.tricks.loss_type import LossFunction
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
 
 WEIGHTS = [0.5, 2.0, 1.0, 3.0, 0.25]

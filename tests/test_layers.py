@@ -8,7 +8,7 @@ from transformers import BertForSequenceClassification, LlamaForSequenceClassifi
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.layers import freeze_bottom_layers, reinit_top_layers, seeded
-from tiny import bart_lm, bert_seq_cls, seq_cls_data, tricks_args
+from tiny import bart_lm, bert_seq_cls, ema_of, seq_cls_data, tricks_args
 from tiny_causal import llama_lm
 
 FROZEN_BY_ONE = ("bert.embeddings.", "bert.encoder.layer.0.")
@@ -234,10 +234,10 @@ def test_freeze_bottom_layers_returns_what_it_froze():
 
 def test_an_ema_averages_the_layers_that_thaw_later_and_not_those_frozen_throughout(tmp_path):
     thawing, _ = _train(tmp_path / "thaw", freeze_layers=1, unfreeze_at_step=2, ema_decay=0.9)
-    assert "bert.embeddings.word_embeddings.weight" in thawing.ema.names
+    assert "bert.embeddings.word_embeddings.weight" in ema_of(thawing).names
     frozen, _ = _train(tmp_path / "frozen", freeze_layers=1, ema_decay=0.9)
-    assert not any(name.startswith(FROZEN_BY_ONE) for name in frozen.ema.names)
-    assert "bert.encoder.layer.1.output.dense.weight" in frozen.ema.names
+    assert not any(name.startswith(FROZEN_BY_ONE) for name in ema_of(frozen).names)
+    assert "bert.encoder.layer.1.output.dense.weight" in ema_of(frozen).names
 
 
 def test_a_resumed_run_freezes_what_its_step_says(tmp_path):

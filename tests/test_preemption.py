@@ -17,7 +17,6 @@ from packaging.version import Version
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
-from nlp_tricks.averaging import EMA_STATE_NAME
 from nlp_tricks.preemption import (
     PREEMPTED_EXIT_CODE,
     PreemptionCallback,
@@ -25,6 +24,7 @@ from nlp_tricks.preemption import (
     set_time_budget,
 )
 from nlp_tricks.resume import checkpoint_problem
+from nlp_tricks.runtime.state import TRICKS_STATE_NAME
 from recipe_helpers import env as recipe_env
 from recipe_helpers import launch_ddp_script, ner_files, run_in_process, tiny_args
 from tiny import bert_token_cls, token_cls_data, tricks_args
@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 from preempt_ddp import SendSignal, run_settings  # noqa: E402
+
+from tiny import ema_of  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,7 @@ STEPS = 12  # 5 optimizer steps an epoch (20 examples, 2 a micro-batch, 2 micro-
 
 def weights(trainer):
     raw = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    ema = {k: v.detach().clone() for k, v in trainer.ema.state_dict()["shadow"].items()}
+    ema = {k: v.detach().clone() for k, v in ema_of(trainer).state_dict()["shadow"].items()}
     return raw, ema
 
 
@@ -86,7 +88,7 @@ def test_sigterm_mid_step_saves_that_step_and_resume_equals_the_uninterrupted_ru
     assert signal.getsignal(signal.SIGTERM) == before, "the handler of before training is back"
     folders = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint-"))
     assert folders == ["checkpoint-7"]
-    assert checkpoint_problem(tmp_path / "run" / "checkpoint-7", (EMA_STATE_NAME,)) is None
+    assert checkpoint_problem(tmp_path / "run" / "checkpoint-7", (TRICKS_STATE_NAME,)) is None
     state = json.loads((tmp_path / "run" / "checkpoint-7" / "trainer_state.json").read_text())
     assert state["global_step"] == 7
     # No evaluation and no averaging at the stop: the EMA at step 7 is the one saved.
@@ -356,7 +358,7 @@ def test_ddp_signal_to_one_rank_stops_both_after_the_same_step_and_resume_is_exa
         assert report["max_raw_diff"] <= 1e-6 and report["max_ema_diff"] <= 1e-6, report
     assert reports[0]["checkpoints"] == ["checkpoint-7"]
     checkpoint = tmp_path / "run" / "checkpoint-7"
-    assert checkpoint_problem(checkpoint, (EMA_STATE_NAME,)) is None
+    assert checkpoint_problem(checkpoint, (TRICKS_STATE_NAME,)) is None
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
 
 

@@ -12,11 +12,11 @@ from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.crf import CRF, load_crf_model
 from nlp_tricks.metrics import load_metric
+from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.self_training import ner_pseudo_labels
-from nlp_tricks.tricks.loss import LossFunction
+from nlp_tricks.tricks.loss_type import LossFunction
 from recipe_helpers import TRAIN_CONLL, ner_files, run_in_process, tiny_args
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
+from nlp_tricks.runtime.state import TRAINER_ENTRY, TRICKS_STATE_NAME, load_trick_states
 from resume_helpers import killed_in_child, truncate
 from scripts import resume_run
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
@@ -149,15 +150,15 @@ def _counting_trainer(out, **overrides):
 def test_trick_state_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_path, restore_flag):
     _counting_trainer(tmp_path, restore_callback_states_from_checkpoint=restore_flag).train()
     for step in (2, 4):
-        saved = json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())
-        assert saved["stateful_callbacks"]["TrickStateCallback"]["attributes"]["trick_state"] == {"loss_calls": step}
+        saved = load_trick_states(str(tmp_path / f"checkpoint-{step}" / TRICKS_STATE_NAME))
+        assert saved[TRAINER_ENTRY]["trick_state"] == {"loss_calls": step}
     # Resume from step 2 of 4: the counter continues from 2 (a fresh counter would end at 2, not 4).
     trainer = _counting_trainer(tmp_path, restore_callback_states_from_checkpoint=restore_flag)
     trainer.trick_state["stale"] = 99  # replaced by the checkpoint's state
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert trainer.trick_state == {"loss_calls": 4}
-    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())
-    assert saved["stateful_callbacks"]["TrickStateCallback"]["attributes"]["trick_state"] == {"loss_calls": 4}
+    saved = load_trick_states(str(tmp_path / "checkpoint-4" / TRICKS_STATE_NAME))
+    assert saved[TRAINER_ENTRY]["trick_state"] == {"loss_calls": 4}
 
 
 def test_resume_true_picks_the_newest_complete_checkpoint_and_a_named_torn_one_raises(tmp_path, caplog):

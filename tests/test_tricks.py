@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from nlp_tricks import Trick, TricksArguments, TricksTrainer
+from nlp_tricks.runtime.state import TRICKS_STATE_NAME, load_trick_states, save_trick_states
 from nlp_tricks.tricks import BUILT_IN_TRICKS, built_in_tricks
-from nlp_tricks.tricks.base import TRICKS_STATE_NAME, load_trick_states, record_loss_term, save_trick_states
-from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args
+from tiny import bert_seq_cls, bert_token_cls, ema_of, seq_cls_data, token_cls_data, tricks_args
 
 V0 = Path(__file__).parent / "data" / "checkpoint_v0"
 
@@ -203,18 +203,18 @@ def test_a_checkpoint_written_before_tricks_became_objects_resumes_to_the_same_w
     raw, ema = load_file(V0 / "final_raw.safetensors"), load_file(V0 / "final_ema.safetensors")
     for name, p in model.state_dict().items():
         torch.testing.assert_close(p, raw[name], msg=name)
-    for i, p in enumerate(trainer.ema.shadow):
+    for i, p in enumerate(ema_of(trainer).shadow):
         torch.testing.assert_close(p, ema[str(i)])
 
 
 def test_built_in_tricks_follow_the_arguments(tmp_path):
     args = tricks_args(tmp_path, crf=True, ema_decay=0.9, adversarial="pgd")
     names = [type(t).__name__ for t in built_in_tricks(args)]
-    assert names == ["CRFHead", "LossFunction", "Adversarial", "ExponentialMovingAverage"]
-    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["LossFunction"]
-    # User tricks come before the configured loss, so a user's compute_loss answers first.
+    assert names == ["CRFHead", "Distillation", "LossFunction", "Adversarial", "ExponentialMovingAverage"]
+    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["Distillation", "LossFunction"]
+    # User tricks come before the configured loss (by default), so a user's compute_loss answers first.
     user = LogitPenalty()
-    assert built_in_tricks(args, user_tricks=[user])[1] is user
+    assert built_in_tricks(args, user_tricks=[user])[2] is user
     assert len(BUILT_IN_TRICKS) == len({cls.__name__ for cls in BUILT_IN_TRICKS})
 
 
@@ -262,7 +262,7 @@ def test_the_docs_example_runs(tmp_path):
     assert trainer.state.global_step == 4
     assert [log["penalty_weight"] for log in trainer.state.log_history if "penalty_weight" in log] == [0.1] * 4
     state = load_trick_states(str(tmp_path / "checkpoint-2" / TRICKS_STATE_NAME))
-    assert state == {"LogitPenalty": {"weight": 0.1, "steps": 2}}
+    assert state["LogitPenalty"] == {"weight": 0.1, "steps": 2}
 
 
 def test_pgd_with_reentrant_checkpointing_is_refused_when_the_trainer_is_built(tmp_path):
@@ -315,12 +315,12 @@ def _run_trial(tmp_path, monkeypatch, values: dict, **overrides):
 def test_a_hyperparameter_search_trial_applies_every_trick_field(tmp_path, monkeypatch):
     trial = {"ema_decay": 0.9, "warmup_ratio": 0.5, "class_weights": ["1", "2", "3"], "rdrop_alpha": 0.5}
     trainer = _run_trial(tmp_path, monkeypatch, trial, max_steps=4)
-    assert trainer.args.ema_eval is True and trainer.ema is not None and trainer.ema.num_updates == 4
+    assert trainer.args.ema_eval is True and ema_of(trainer) is not None and ema_of(trainer).num_updates == 4
     assert trainer.args.warmup_steps == 0.5  # warmup_ratio mapped as the constructor maps it
     assert trainer.lr_scheduler.get_last_lr()[0] < trainer.args.learning_rate
     names = [type(t).__name__ for t in trainer.tricks]
-    assert names == ["RDrop", "LossFunction", "ExponentialMovingAverage"]
-    torch.testing.assert_close(trainer.tricks[1].class_weights, torch.tensor([1.0, 2.0, 3.0]))
+    assert names == ["RDrop", "Distillation", "LossFunction", "ExponentialMovingAverage"]
+    torch.testing.assert_close(trainer.tricks[2].class_weights, torch.tensor([1.0, 2.0, 3.0]))
     assert any("loss_kl" in log for log in trainer.state.log_history)
 
 
@@ -331,7 +331,7 @@ def test_a_recorded_loss_term_is_on_the_scale_of_the_logged_loss(tmp_path, task)
 
     class CopyOfTheLoss(Trick):
         def adjust_logits_loss(self, trainer, logits, batch, loss):
-            record_loss_term(trainer, "loss_copy", loss, batch.num_items)
+            trainer.record_loss_term("loss_copy", loss, batch.num_items)
             return loss
 
     model, data = (bert_token_cls(), token_cls_data(n=8)) if task == "token" else (bert_seq_cls(), seq_cls_data(n=8))

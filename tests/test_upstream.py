@@ -23,7 +23,9 @@ def test_trainer_method_exists(name):
 def test_trainer_attributes_exist(tmp_path):
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
     missing = [name for name in _upstream.TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
-    assert not missing, f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/runtime/upstream.py"
+    assert not missing, (
+        f"transformers.Trainer instances no longer have {missing}: update nlp_tricks/runtime/upstream.py"
+    )
     assert _upstream.loss_shifts_labels(trainer) is False  # a classifier's loss does not shift labels
 
 
@@ -35,9 +37,13 @@ def test_trainer_attributes_added_later_exist_from_their_release(tmp_path, name)
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path))
     installed = Version(transformers.__version__)
     if installed >= since:
-        assert hasattr(trainer, name), f"transformers {installed}: Trainer has no {name}: update nlp_tricks/runtime/upstream.py"
+        assert hasattr(trainer, name), (
+            f"transformers {installed}: Trainer has no {name}: update nlp_tricks/runtime/upstream.py"
+        )
     else:
-        assert not hasattr(trainer, name), f"transformers {installed} has {name}: lower its release in nlp_tricks/runtime/upstream.py"
+        assert not hasattr(trainer, name), (
+            f"transformers {installed} has {name}: lower its release in nlp_tricks/runtime/upstream.py"
+        )
 
 
 def test_is_optimizer_factory_is_callable():
@@ -48,7 +54,9 @@ def test_training_attributes_exist(tmp_path):
     trainer = Trainer(model=bert_seq_cls(), args=tricks_args(tmp_path, max_steps=1), train_dataset=seq_cls_data())
     trainer.train()
     missing = [name for name in _upstream.TRAINING_ATTRIBUTES if not hasattr(trainer, name)]
-    assert not missing, f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/runtime/upstream.py"
+    assert not missing, (
+        f"transformers.Trainer no longer sets {missing} while training: update nlp_tricks/runtime/upstream.py"
+    )
 
 
 def test_set_loss_shifts_labels_sets_upstreams_item_count(tmp_path):

@@ -217,3 +217,11 @@ def wordpiece_tokenizer(pieces=WORDPIECES) -> PreTrainedTokenizerFast:
         sep_token="[SEP]",
         mask_token="[MASK]",
     )
+
+
+def ema_of(trainer):
+    """The EMA a trainer keeps with ``ema_decay > 0`` (the ``EMA`` trick's), or ``None``."""
+    from nlp_tricks.tricks.ema import ExponentialMovingAverage
+
+    trick = trainer.get_trick(ExponentialMovingAverage)
+    return None if trick is None else trick.ema

@@ -60,13 +60,24 @@ class NEFTuneNoise:
 
     def __enter__(self) -> NEFTuneNoise:
         self._noise, self._cursor, self._replaying = [], 0, False
-        self._handle = self.module.register_forward_hook(self._hook)
+        self.attach()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handle.remove()
-        self._handle = None
+        self.detach()
         self._noise = []
+
+    def attach(self) -> None:
+        """Hook the module, keeping the noise drawn so far (a micro-batch whose passes run at different times, as
+        SAM's second pass at the end of the step, attaches again to replay its own draw)."""
+        if self._handle is None:
+            self._handle = self.module.register_forward_hook(self._hook)
+
+    def detach(self) -> None:
+        """Remove the hook; the draw is kept until the context exits."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def new_pass(self) -> None:
         """The next forward is another pass over the same micro-batch: replay the noise from its first call on.

@@ -159,7 +159,8 @@ class SAM:
         ``.grad``.
 
         Every ``loss_fns[i]`` runs its micro-batch's forward and returns its share of the step's loss; each runs
-        twice: at ``w`` (the ascent uses the sum of these gradients: the step's whole gradient) and at ``w + e(w)``.
+        twice: at ``w`` (the ascent uses the sum of these gradients: the step's whole gradient) and at ``w + e(w)``
+        (:meth:`perturbed_passes`).
 
         Args:
             backward: backpropagates a loss (default ``loss.backward()``, scaled by ``grad_scaler`` if given).
@@ -174,29 +175,54 @@ class SAM:
         """
         if backward is None:
             backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
-        no_sync = no_sync or contextlib.nullcontext
-        synced = no_sync is not contextlib.nullcontext
         clean = []
-        with no_sync():
+        with (no_sync or contextlib.nullcontext)():
             for loss_fn in loss_fns:
                 loss = loss_fn()
                 backward(loss)
                 clean.append(loss.detach())
-        clean = torch.stack(clean).sum()
-        if not self.perturb(grad_scaler.get_scale() if grad_scaler is not None else None):
-            if synced:  # the other processes all-reduce once: so must this one
-                backward(loss_fns[-1]() * 0.0)
-            return clean, None
+
+        def as_pass(loss_fn):
+            def run(weight: float) -> torch.Tensor:
+                loss = loss_fn()
+                backward(loss if weight == 1.0 else loss * weight)
+                return loss.detach()
+
+            return run
+
+        sam_loss = self.perturbed_passes(
+            [as_pass(fn) for fn in loss_fns],
+            no_sync=no_sync,
+            grad_scale=grad_scaler.get_scale() if grad_scaler is not None else None,
+        )
+        return torch.stack(clean).sum(), sam_loss
+
+    def perturbed_passes(
+        self,
+        passes: Sequence[Callable[[float], torch.Tensor]],
+        *,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        grad_scale: float | torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """SAM's second half: move to ``w + e(w)`` from the gradients in ``.grad``, run every pass there, move back.
+
+        ``passes[i](weight)`` runs micro-batch ``i``'s forward and the backward of ``weight * loss`` and returns the
+        detached loss. Every pass but the last runs inside ``no_sync``. Returns the summed losses, or ``None`` when
+        the ascent was skipped (gradient 0, inf or NaN: ``.grad`` keeps the gradient at ``w``); with ``no_sync`` the
+        last pass then still runs once with weight 0, so that every process all-reduces the same number of times.
+        """
+        if not self.perturb(grad_scale):
+            if no_sync is not None:  # the other processes all-reduce once: so must this one
+                passes[-1](0.0)
+            return None
         losses = []
         try:
-            for i, loss_fn in enumerate(loss_fns):
-                with contextlib.nullcontext() if i == len(loss_fns) - 1 else no_sync():
-                    loss = loss_fn()
-                    backward(loss)
-                losses.append(loss.detach())
+            for i, run in enumerate(passes):
+                with contextlib.nullcontext() if i == len(passes) - 1 or no_sync is None else no_sync():
+                    losses.append(run(1.0))
         finally:
             self.restore()
-        return clean, torch.stack(losses).sum()
+        return torch.stack(losses).sum()
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,10 @@ class EMACallback(TrainerCallback):
     """Keeps an :class:`EMA` of a Trainer's model: built at ``on_train_begin``, updated at ``on_optimizer_step``.
 
     ``on_optimizer_step`` fires right after ``optimizer.step()`` and before ``zero_grad``, once per optimizer step
-    (not per micro-batch under gradient accumulation), on every process. Set :attr:`resume_from` to a checkpoint
-    folder to restore the average saved there (``EMA_STATE_NAME``) instead of starting from the weights;
-    TricksTrainer does both, and saves the EMA into every checkpoint.
+    (not per micro-batch under gradient accumulation), on every process. To restore a saved average instead of
+    starting from the weights, set :attr:`pending_state` to an :meth:`EMA.state_dict` (TricksTrainer does, from its
+    checkpoints' state store) or :attr:`resume_from` to a folder holding ``EMA_STATE_NAME`` (an :meth:`EMA.save`
+    file).
 
     Args:
         decay (`float`): the EMA decay in (0, 1).
@@ -88,13 +89,16 @@ class EMACallback(TrainerCallback):
         self.warmup = warmup
         self.ema: EMA | None = None
         self.resume_from: str | None = None
+        self.pending_state: dict | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The model holds the weights training starts from (a resumed run: the checkpoint's).
         self.ema = EMA(model, self.decay, warmup=self.warmup)
-        if self.resume_from is not None:
+        if self.pending_state is not None:
+            self.ema.load_state_dict(self.pending_state)
+        elif self.resume_from is not None:
             self.ema.load(os.path.join(self.resume_from, EMA_STATE_NAME))
-            self.resume_from = None
+        self.pending_state = self.resume_from = None
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.ema.update()

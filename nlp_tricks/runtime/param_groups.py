@@ -21,6 +21,7 @@ copy of the head gets ``head_lr_scale``. Parameters PEFT adds outside the wrappe
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Mapping
 
 from torch import nn
@@ -29,7 +30,13 @@ from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import layer_ids
 
-__all__ = ["build_param_groups", "decay_parameter_names", "head_parameter_ids", "layer_ids"]
+__all__ = [
+    "build_param_groups",
+    "upstream_param_groups",
+    "decay_parameter_names",
+    "head_parameter_ids",
+    "layer_ids",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +81,7 @@ def build_param_groups(
     layer_decay: float = 1.0,
     no_decay: Iterable[str] = NO_DECAY_PATTERNS,
     module_lr_scales: Mapping[str, float] | None = None,
+    lr_scales: Mapping[str, float] | None = None,
 ) -> list[dict]:
     """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
 
@@ -90,6 +98,10 @@ def build_param_groups(
         module_lr_scales (`Mapping[str, float]`, *optional*): submodule name -> lr multiplier; that submodule's
             parameters (e.g. ``{"crf": 100.0}`` for ``model.crf``) form their own groups, labelled with the name, at
             ``learning_rate * scale`` (neither ``head_lr_scale`` nor ``layer_decay`` applies to them).
+        lr_scales (`Mapping[str, float]`, *optional*): regex (``re.search`` on the parameter name) -> lr factor that
+            multiplies with the head scale and layer decay (a parameter matching several patterns gets their
+            product); e.g. ``{r"lora_B": 16.0}`` for LoRA+. The groups are split by the resulting rate, labelled
+            ``<label>*<pattern>``.
 
     Returns:
         `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
@@ -129,6 +141,12 @@ def build_param_groups(
             raise ValueError(f"module_lr_scales[{module_name!r}] must be > 0, got {scale}")
         own_scale.update({id(p): (module_name, scale) for p in model.get_submodule(module_name).parameters()})
 
+    patterns = []
+    for pattern, factor in (lr_scales or {}).items():
+        if not factor > 0:
+            raise ValueError(f"lr_scales[{pattern!r}] must be > 0, got {factor}")
+        patterns.append((re.compile(pattern), pattern, float(factor)))
+
     groups: dict[tuple[str, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -145,6 +163,9 @@ def build_param_groups(
             scale = layer_decay ** (num_layers + 1 - layer)
         else:
             label, scale = "body", 1.0
+        for regex, pattern, factor in patterns:
+            if id(param) not in own_scale and regex.search(name):
+                label, scale = f"{label}*{pattern}", scale * factor
         wd = weight_decay if name in decay_names else 0.0
         group = groups.setdefault(
             (label, wd),
@@ -160,6 +181,18 @@ def build_param_groups(
         group["params"].append(param)
         group["names"].append(name)
     return list(groups.values())
+
+
+def upstream_param_groups(trainer, model: nn.Module) -> list[dict]:
+    """The two groups ``transformers.Trainer.create_optimizer`` builds (the parameters that get weight decay, then
+    those that do not; frozen ones in neither, empty groups kept), so that an optimizer state moves between
+    ``Trainer`` and ``TricksTrainer`` both ways."""
+    decay = set(trainer.get_decay_parameter_names(model))
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in params if n in decay], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def group_learning_rates(groups: list[dict], learning_rate: float) -> dict[str, float]:

@@ -10,12 +10,9 @@ import struct
 import zipfile
 from collections.abc import Sequence
 
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
-
 from .checkpoint import ADAPTER_FILES, TORCH_SUFFIXES, WEIGHTS_FILES, _first
 
-__all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "optimizer_groups_problem", "TrickStateCallback"]
+__all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "optimizer_groups_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +41,11 @@ def checkpoint_problem(folder: str | os.PathLike, required: Sequence[str] = ()) 
     if TRAINER_STATE_NAME not in names:
         return f"{TRAINER_STATE_NAME} is missing (the Trainer writes it last, so the save did not finish)"
     for name in required:
-        if name not in names:
+        if hasattr(name, "problem"):  # a requirement on a file's content (the tricks' state store)
+            problem = name.problem(folder)
+            if problem is not None:
+                return problem
+        elif name not in names:
             return f"{name} is missing (this run needs it to resume)"
     for name in sorted(names):
         path = os.path.join(folder, name)
@@ -138,66 +139,26 @@ def _torch_zip_problem(path: str) -> str | None:
     return None
 
 
-# ---- Trick state -----------------------------------------------------------------------------------------------
+# ---- Optimizer groups ------------------------------------------------------------------------------------------
 
 
-class TrickStateCallback(TrainerCallback, ExportableState):
-    """Carries ``TricksTrainer.trick_state`` into each checkpoint and back on resume.
-
-    The Trainer saves :class:`~transformers.trainer_callback.ExportableState` callbacks inside ``trainer_state.json``
-    (under ``stateful_callbacks``), the file it writes last, so the tricks' counters are part of the checkpoint as
-    atomically as the step count. On resume they are restored in :meth:`on_train_begin` (whether or not
-    ``restore_callback_states_from_checkpoint`` is set).
-    """
-
-    def __init__(self, trick_state: dict | None = None):
-        self.trick_state = {} if trick_state is None else trick_state
-        # The optimizer's groups and the settings that built them (param_groups.group_signature), checked on resume.
-        self.optimizer_groups: dict | None = None
-
-    def state(self) -> dict:
-        attributes = {"trick_state": dict(self.trick_state)}
-        if self.optimizer_groups is not None:
-            attributes["optimizer_groups"] = self.optimizer_groups
-        return {"args": {}, "attributes": attributes}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # A fresh run holds our own current state here; a resumed run holds the checkpoint's.
-        saved = state.stateful_callbacks.get(type(self).__name__)
-        if isinstance(saved, list):
-            saved = saved[0]
-        if saved is not None:
-            restored = dict(saved.get("attributes", {}).get("trick_state", {}))
-            self.trick_state.clear()
-            self.trick_state.update(restored)
-        else:
-            # A checkpoint written without this callback: the Trainer's save step indexes the entry, so create it.
-            state.stateful_callbacks[type(self).__name__] = self.state()
-
-
-def optimizer_groups_problem(checkpoint: str | os.PathLike, current: dict) -> str | None:
+def optimizer_groups_problem(checkpoint: str | os.PathLike, current: dict, saved: dict | None) -> str | None:
     """Why the optimizer state of ``checkpoint`` does not fit the groups this run builds (``current``, from
-    :func:`~nlp_tricks.param_groups.group_signature`), naming the settings that differ; ``None`` when it fits or the
-    checkpoint recorded no groups (written before they were recorded, or by an optimizer that builds its own).
+    :func:`~nlp_tricks.runtime.param_groups.group_signature`), naming the settings that differ; ``None`` when it fits.
 
-    Upstream loads the checkpoint's optimizer state into the new groups: a different number of groups raises torch's
-    "different number of parameter groups", and the same number with other learning-rate scales or weight decay
-    silently keeps the checkpoint's.
+    ``saved`` is the signature the checkpoint recorded (``None``: none, as in a plain ``Trainer`` checkpoint: then
+    the group sizes in its ``optimizer.pt`` are compared). Upstream loads the checkpoint's optimizer state into the new
+    groups: a different number of groups raises torch's "different number of parameter groups", and the same number
+    with other learning-rate scales or weight decay silently keeps the checkpoint's.
     """
-    try:
-        with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
-            saved = json.load(f).get("stateful_callbacks", {}).get(TrickStateCallback.__name__)
-    except (OSError, ValueError):
-        return None
-    if isinstance(saved, list):
-        saved = saved[0] if saved else None
-    saved = (saved or {}).get("attributes", {}).get("optimizer_groups")
+    if saved is None:
+        return _unrecorded_groups_problem(checkpoint, current)
     if not saved or json.loads(json.dumps(current["groups"])) == saved["groups"]:
         return None
     old, new = saved.get("settings", {}), current["settings"]
     changes = [f"{name} {old[name]!r} -> {new[name]!r}" for name in new if name in old and old[name] != new[name]]
+    changes = [c for c in changes if not c.startswith(("tricks ", "group_rules "))]
     if "tricks" in old and old["tricks"] != new["tricks"]:
-        changes = [c for c in changes if not c.startswith("tricks ")]
         removed = [t for t in old["tricks"] if t not in new["tricks"]]
         added = [t for t in new["tricks"] if t not in old["tricks"]]
         changes += [f"{t} (in the checkpoint, not now)" for t in removed] + [f"{t} (new)" for t in added]
@@ -206,4 +167,30 @@ def optimizer_groups_problem(checkpoint: str | os.PathLike, current: dict) -> st
         f"the optimizer's parameter groups differ from the checkpoint's ({len(saved['groups'])} there, "
         f"{len(current['groups'])} now) because of: {what}. Resume with the checkpoint's settings, or start a new run "
         "(--overwrite_output_dir) to train with the new ones"
+    )
+
+
+def _unrecorded_groups_problem(checkpoint: str | os.PathLike, current: dict) -> str | None:
+    """For a checkpoint that recorded no group signature (plain ``Trainer``): its optimizer's group sizes and weight
+    decays against this run's."""
+    path = os.path.join(checkpoint, "optimizer.pt")
+    if not os.path.isfile(path):
+        return None
+    import torch
+
+    try:
+        groups = torch.load(path, map_location="cpu", weights_only=True).get("param_groups", [])
+    except Exception:  # unreadable here: upstream's own load reports it
+        return None
+    theirs = [(len(g.get("params", [])), g.get("weight_decay")) for g in groups]
+    ours = [(row[3], row[2]) for row in current["groups"]]
+    if theirs == ours:
+        return None
+    rules = current["settings"].get("group_rules", [])
+    return (
+        f"the checkpoint's optimizer has {len(theirs)} parameter groups of {[n for n, _ in theirs]} parameters "
+        f"(written with upstream's groups: by plain Trainer, or with no group rule on), but this run builds "
+        f"{len(ours)} of {[n for n, _ in ours]}"
+        + (f" because of {', '.join(rules)}" if rules else "")
+        + ". Resume with the checkpoint's settings, or start a new run (--overwrite_output_dir)"
     )

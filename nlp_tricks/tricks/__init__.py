@@ -1,66 +1,106 @@
-"""The tricks as objects: the :class:`Trick` protocol and the built-in tricks, in the order TricksTrainer runs them.
+"""The built-in tricks, one file each, named after its flag, with its argument dataclass; :data:`BUILT_IN_TRICKS` is
+the registry.
 
-Adding a built-in trick: its fields in :class:`~nlp_tricks.TricksArguments`, its module here (a :class:`Trick` with
-``from_args(args)`` returning the trick or ``None`` when its fields leave it off, and ``validate(args)``), and one line
-in :data:`BUILT_IN_TRICKS`.
+Adding a built-in trick: a file here holding its argument dataclass (every field with ``metadata={"help": ...}``) and
+a :class:`~nlp_tricks.Trick` with ``arguments`` (that dataclass), ``order``, ``from_args(args)`` (the trick, or
+``None`` when its fields leave it off) and ``validate(args)`` (raises naming the field); its math in
+:mod:`nlp_tricks.functional`; and one line in :data:`BUILT_IN_TRICKS`. :class:`~nlp_tricks.TricksArguments` and
+:class:`~nlp_tricks.TricksConfig` are composed from the registry's dataclasses. A check that involves two tricks goes
+in :func:`validate_arguments`.
 """
 
 from __future__ import annotations
 
+from ..trick import LossBatch, Trick
 from .adversarial import Adversarial
-from .averaging import CheckpointAveraging, ExponentialMovingAverage
-from .base import LossBatch, Trick
 from .crf import CRFHead
-from .layers import LayerFreezing, ReinitLayers
-from .loss import LossFunction
-from .multi_sample_dropout import MultiSampleDropout
+from .distillation import Distillation
+from .ema import ExponentialMovingAverage
+from .freeze_layers import LayerFreezing
+from .head_dropout import MultiSampleDropoutHead
+from .layer_decay import LayerwiseLearningRates
+from .loss_type import LossFunction
 from .pooling import PoolingHead
 from .rdrop import RDrop
+from .reinit_layers import ReinitLayers
 from .sam import SharpnessAwareMinimization
 from .scheduled_sampling import ScheduledSampling
 from .smart import SmoothnessRegularization
+from .swa import CheckpointAveraging
+from .tie_encoder_decoder import TieEncoderDecoder
 
-__all__ = ["Trick", "LossBatch", "BUILT_IN_TRICKS", "built_in_tricks", "validate_arguments"]
+__all__ = [
+    "Trick",
+    "LossBatch",
+    "BUILT_IN_TRICKS",
+    "built_in_tricks",
+    "validate_arguments",
+    "trick_arguments",
+    "tricks_section",
+]
 
-# The built-in tricks in the order their hooks run. Where a hook's first answer wins (the forward, the loss, the item
-# count) the earlier trick decides: the CRF's loss and count come before the configured loss function's.
+# The registry: every built-in trick class. The order they run in is each class's `order` (docs/tricks.md has the
+# table); this tuple's order only breaks ties.
 BUILT_IN_TRICKS = (
-    # The model's shape first (the heads hooked by later tricks are the pooled model's), then its weights.
+    TieEncoderDecoder,
     PoolingHead,
     ReinitLayers,
     ScheduledSampling,
     CRFHead,
-    MultiSampleDropout,
+    MultiSampleDropoutHead,
     RDrop,
     SmoothnessRegularization,
+    Distillation,
     LossFunction,
     Adversarial,
     SharpnessAwareMinimization,
     ExponentialMovingAverage,
     CheckpointAveraging,
-    # After the EMA: it is built when training begins, before this trick freezes what unfreeze_at_step thaws later.
     LayerFreezing,
+    LayerwiseLearningRates,
 )
 
 
+def trick_arguments() -> tuple[type, ...]:
+    """The argument dataclasses of the built-in tricks that have fields of their own (tying's are seq2seq's)."""
+    return tuple(cls.arguments for cls in BUILT_IN_TRICKS if cls is not TieEncoderDecoder)
+
+
 def built_in_tricks(args, user_tricks=()) -> list[Trick]:
-    """The built-in tricks ``args`` switch on, in :data:`BUILT_IN_TRICKS`' order, with ``user_tricks`` right before
-    the configured loss function (which answers for the loss when no trick before it does)."""
-    tricks = []
-    for cls in BUILT_IN_TRICKS:
-        if cls is LossFunction:
-            tricks.extend(user_tricks)
-        trick = cls.from_args(args)
-        if trick is not None:
-            tricks.append(trick)
-    return tricks
+    """The built-in tricks ``args`` switch on and ``user_tricks``, sorted by ``order`` (ties: built-ins first, in
+    :data:`BUILT_IN_TRICKS`' order, then the user's as given)."""
+    tricks = [trick for cls in BUILT_IN_TRICKS if (trick := cls.from_args(args)) is not None]
+    return sorted([*tricks, *user_tricks], key=lambda trick: trick.order)
+
+
+def tricks_section(tricks, saved_weights: dict | None) -> str:
+    """The model card's section on a run's tricks and, when a trick chose them, the saved weights."""
+    lines = ["", "## Tricks (nlp_tricks)", "", "Trained with `nlp_tricks.TricksTrainer` and these tricks:", ""]
+    lines += [f"- `{setting}`" for trick in tricks for setting in trick.summary()]
+    if saved_weights is not None:
+        what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
+        details = ", ".join(f"{k}: {v}" for k, v in saved_weights.items() if k != "weights")
+        kind = saved_weights["weights"]
+        lines += ["", f"The saved weights are {what.get(kind, kind)} ({details})."]
+    return "\n".join(lines) + "\n"
 
 
 def validate_arguments(args) -> None:
-    """Each built-in trick's own checks, then the checks that involve two of them (here, in one place)."""
+    """Each built-in trick's own checks, then what the tricks switched on declare (capability flags), then the checks
+    that involve two of them (here, in one place)."""
     for cls in BUILT_IN_TRICKS:
         cls.validate(args)
-    if args.crf and (args.loss_type != "ce" or args.label_smoothing_factor > 0 or args.temperature != 1.0):
+    optim = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+    if optim in ("lomo", "adalomo"):
+        for trick in built_in_tricks(args):
+            if trick.extra_backwards:
+                raise ValueError(
+                    f"{trick.summary()[0]} runs several backward passes per step, but optim={optim!r} updates the "
+                    "weights inside backward; choose another optimizer"
+                )
+    if args.crf and (
+        args.loss_type != "ce" or getattr(args, "label_smoothing_factor", 0) > 0 or args.temperature != 1.0
+    ):
         raise ValueError(
             "crf=True replaces the loss with the CRF's negative log-likelihood; use loss_type='ce', "
             "label_smoothing_factor=0 and temperature=1.0 with it"
@@ -94,7 +134,7 @@ def validate_arguments(args) -> None:
                     f"smart_alpha={args.smart_alpha} regularises the logits of one plain forward; it does not "
                     f"combine with {setting}; use one of them"
                 )
-    if args.swa_last_k > 0 and args.load_best_model_at_end:
+    if args.swa_last_k > 0 and getattr(args, "load_best_model_at_end", False):
         raise ValueError("swa_last_k and load_best_model_at_end both choose the final weights; use one of them")
     if args.swa_last_k > 0 and args.ema_eval:
         raise ValueError(

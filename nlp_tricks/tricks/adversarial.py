@@ -1,25 +1,112 @@
-"""``adversarial``: FGM, PGD, AWP and FreeLB as extra forward / backward passes of the training step (and NEFTune
-noise shared by those passes). The attacks' math is in :mod:`nlp_tricks.adversarial`."""
+"""``adversarial``: FGM, PGD, AWP and FreeLB as extra forward / backward passes of the training step, on
+``trainer.multi_pass`` (NEFTune's noise shared by the passes). The attacks' math is in
+:mod:`nlp_tricks.functional.adversarial`."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_compiled_module
-from accelerate.utils.memory import clear_device_cache
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 
-from ..functional.adversarial import ADV_NORMS, AWP, FGM, PGD, FreeLB, validate_attack, validate_awp, validate_freelb
-from ..functional.neftune import NEFTuneNoise
+from ..functional.adversarial import (
+    ADV_NORMS,
+    AWP,
+    FGM,
+    PGD,
+    FreeLB,
+    validate_attack,
+    validate_awp,
+    validate_freelb,
+)
 from ..runtime import upstream as _upstream
-from .base import Trick, nested
+from ..trick import Trick
 
-__all__ = ["Adversarial", "ADVERSARIAL_METHODS"]
+__all__ = ["Adversarial", "AdversarialArguments", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
 ADVERSARIAL_METHODS = ("none", "fgm", "pgd", "awp", "freelb")
+
+
+@dataclass
+class AdversarialArguments:
+    """Adversarial training: FGM, PGD, AWP, FreeLB."""
+
+    adversarial: str = field(
+        default="none",
+        metadata={
+            "help": "Adversarial training: 'none', 'fgm' (Miyato et al. 2017, one step of norm adv_epsilon on the "
+            "embeddings; 2 forward/backward passes per batch), 'pgd' (Madry et al. 2018, adv_steps steps of "
+            "adv_alpha inside the adv_epsilon ball; adv_steps + 1 passes), 'awp' (Wu et al. 2020, the layers' "
+            "weights moved by awp_gamma relative to their norm; 2 passes) or 'freelb' (Zhu et al. 2020, adv_steps "
+            "perturbed passes whose gradients are averaged, plus a clean pass (freelb_clean_pass); adv_steps passes "
+            "with adv_init_mag=0, else adv_steps + 1). The update uses the sum of the clean and the adversarial "
+            "gradients; the logged `loss` is the clean loss, `loss_clean` / `loss_adv` both.",
+            "choices": list(ADVERSARIAL_METHODS),
+        },
+    )
+    adv_epsilon: float = field(
+        default=1.0,
+        metadata={
+            "help": "Adversarial perturbation norm (FGM) or ball radius (PGD), > 0; FreeLB: the per-example ball "
+            "radius, >= 0 (0: no projection, as FreeLB's adv_max_norm)."
+        },
+    )
+    adv_alpha: float = field(default=0.3, metadata={"help": "PGD / FreeLB step size, > 0 (FreeLB: per example)."})
+    adv_steps: int = field(
+        default=3, metadata={"help": "PGD number of ascent steps K >= 1; FreeLB: number of perturbed passes K >= 1."}
+    )
+    adv_norm: str = field(
+        default="global",
+        metadata={
+            "help": "What the adversarial gradient is normalised over: 'global' (the whole batch; equals the classic "
+            "recipe that perturbs the word-embedding weight), 'example' (each sequence) or 'token' (each position).",
+            "choices": list(ADV_NORMS),
+        },
+    )
+    adv_target: str | None = field(
+        default=None,
+        metadata={
+            "help": "Module whose output is perturbed: its name or a unique name suffix (e.g. 'word_embeddings'). "
+            "Default: the module model.get_input_embeddings() returns."
+        },
+    )
+    adv_init_mag: float = field(
+        default=0.0,
+        metadata={
+            "help": "FreeLB random start, >= 0: delta_0 uniform in [-m, m] with m = adv_init_mag / sqrt(length x "
+            "hidden) per example under the attention mask (official code: adv_init_mag, e.g. 0.1-0.6). 0 starts "
+            "at zero (deterministic; the clean pass and pass 0 are then one pass)."
+        },
+    )
+    freelb_clean_pass: bool = field(
+        default=True,
+        metadata={
+            "help": "FreeLB: add one clean pass's gradient to the mean of the perturbed passes' (FreeLB#10: SST-2 "
+            "91.86 without it, 93.46 with it; the official code has none)."
+        },
+    )
+    awp_gamma: float = field(
+        default=0.01,
+        metadata={
+            "help": "AWP perturbation size relative to each weight's norm: w + awp_gamma * ||w|| * g / ||g||, > 0."
+        },
+    )
+    awp_target: str | None = field(
+        default=None,
+        metadata={
+            "help": "AWP: a regular expression matched (re.search) against parameter names, e.g. "
+            "'(query|key|value)\\.weight$'. Default: the weights of the Linear modules inside the "
+            "numbered transformer layers (not embeddings, norms, biases or the task head)."
+        },
+    )
+    adv_start_step: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer step (>= 0) from which the adversarial method runs; the steps before it train plainly "
+            "and are counted in the logs as `adv_plain_steps` (FreeLB#19: FreeLB from step 0 can diverge)."
+        },
+    )
 
 
 class Adversarial(Trick):
@@ -35,10 +122,27 @@ class Adversarial(Trick):
     ``adv_plain_steps``.
     """
 
+    arguments = AdversarialArguments
+    order = 900
+    extra_backwards = True
+    deepspeed = False
+    logged_state = ("adv_skipped", "adv_plain_steps")
+
     def __init__(self, args):
         self.args = args
         self.attacker: FGM | PGD | AWP | FreeLB | None = None
-        self.neftune_alpha: float | None = None
+        self.skipped = 0  # micro-batches whose attack was skipped (clean gradient 0, inf or NaN)
+        self.plain_steps = 0  # optimizer steps before adv_start_step
+
+    @property
+    def fsdp(self) -> bool:
+        return self.args.adversarial != "awp"
+
+    @property
+    def unsupported_reason(self) -> str:
+        if self.args.adversarial == "awp":
+            return "DeepSpeed's engine owns the backward; FSDP shards the weights whose per-tensor norms AWP takes"
+        return "its engine owns the backward"
 
     @classmethod
     def from_args(cls, args) -> Adversarial | None:
@@ -65,24 +169,11 @@ class Adversarial(Trick):
         validate_awp(args.awp_gamma, args.awp_target, names=("awp_gamma", "awp_target"))
         if int(args.adv_start_step) != args.adv_start_step or args.adv_start_step < 0:
             raise ValueError(f"adv_start_step={args.adv_start_step} is not allowed; it must be an integer >= 0")
-        if args.adversarial != "none" and getattr(args.optim, "value", args.optim) in ("lomo", "adalomo"):
-            raise ValueError(
-                f"adversarial={args.adversarial!r} needs several backward passes per step, but optim={args.optim!r} "
-                "updates the weights inside backward; choose another optimizer"
-            )
 
     def summary(self) -> list[str]:
         return [f"adversarial={self.args.adversarial!r}"]
 
     def setup(self, trainer) -> None:
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            raise ValueError(
-                f"adversarial={self.args.adversarial!r} is not supported with DeepSpeed (its engine owns the backward)"
-            )
-        if self.args.adversarial == "awp" and getattr(trainer, "is_fsdp_enabled", False):
-            raise ValueError(
-                "adversarial='awp' is not supported with FSDP: it takes per-tensor norms of weights FSDP shards"
-            )
         reentrant = (trainer.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")
         if self.args.adversarial == "pgd" and trainer.args.gradient_checkpointing and reentrant:
             raise ValueError(
@@ -90,77 +181,42 @@ class Adversarial(Trick):
                 "reentrant checkpointing does not support; with gradient_checkpointing set "
                 'gradient_checkpointing_kwargs {"use_reentrant": false} (the default), or use fgm or freelb'
             )
-        trainer.trick_state.setdefault("adv_skipped", 0)
+
+    def state_dict(self) -> dict:
+        state = {"adv_skipped": self.skipped}
         if self.args.adv_start_step > 0:
-            trainer.trick_state.setdefault("adv_plain_steps", 0)
-        # Upstream's NEFTune hook draws fresh noise at every forward, so the attack's passes would see other noise
-        # than the clean pass they perturb. The step adds the noise itself instead: drawn in the clean pass, replayed
-        # in the adversarial ones. Without an attack upstream's hook stays.
-        if trainer.neftune_noise_alpha is not None:
-            self.neftune_alpha, trainer.neftune_noise_alpha = trainer.neftune_noise_alpha, None
+            state["adv_plain_steps"] = self.plain_steps
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = int(state.get("adv_skipped", 0))
+        self.plain_steps = int(state.get("adv_plain_steps", 0))
 
     def training_step(self, trainer, model: nn.Module, inputs: dict, num_items_in_batch=None):
         if trainer.state.global_step < self.args.adv_start_step:
             # Plain until adv_start_step; the count of such optimizer steps so far (each micro-batch sets the same).
-            trainer.trick_state["adv_plain_steps"] = trainer.state.global_step + 1
+            self.plain_steps = trainer.state.global_step + 1
             return None
-
-        cp_context, inputs = _upstream.prepare_context_parallel_inputs(trainer, model, inputs)
-        with cp_context():
-            model.train()
-            if hasattr(trainer.optimizer, "train") and callable(trainer.optimizer.train):
-                trainer.optimizer.train()
-            inputs = _upstream.prepare_inputs(trainer, inputs)
-            # As upstream: divide by the accumulation steps only if the loss was not normalised by the item count.
-            scaled_for_ga = _upstream.loss_is_scaled_for_ga(trainer, num_items_in_batch)
-
-            def loss_fn() -> torch.Tensor:
-                with trainer.compute_loss_context_manager():
-                    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-                if trainer.args.n_gpu > 1:
-                    loss = loss.mean()
-                if not scaled_for_ga:
-                    loss = loss / _upstream.accumulation_steps(trainer)
-                return loss
-
-            accelerator = trainer.accelerator
-            no_sync = functools.partial(accelerator.no_sync, model=model) if accelerator.use_distributed else None
-            noise = self._neftune(trainer, model)
+        with trainer.multi_pass(model, inputs, num_items_in_batch, extra_pass="adversarial") as step:
             attacker = self._attacker(trainer, model)
             # FreeLB's random start covers the positions the attention mask keeps.
-            extra = {"attention_mask": inputs.get("attention_mask")} if isinstance(attacker, FreeLB) else {}
-            # The other tricks' draws (scheduled sampling's mixing) are shared by the passes: the attack perturbs
-            # the clean pass's input, not a new draw.
-            with noise or contextlib.nullcontext(), nested(t.micro_batch(trainer) for t in trainer.tricks):
-                clean, adv = attacker.step(
-                    noise.each_pass(loss_fn) if noise else loss_fn,
-                    accelerator.backward,
-                    no_sync=no_sync,
-                    grad_scaler=accelerator.scaler,
-                    **extra,
-                )
-            if (
-                trainer.args.torch_empty_cache_steps is not None
-                and trainer.state.global_step % trainer.args.torch_empty_cache_steps == 0
-            ):
-                clear_device_cache()
-
+            extra = {"attention_mask": step.inputs.get("attention_mask")} if isinstance(attacker, FreeLB) else {}
+            clean, adv = attacker.step(
+                step.loss,
+                step.backward,
+                no_sync=step.no_sync_factory,
+                grad_scaler=trainer.accelerator.scaler,
+                **extra,
+            )
         # Each micro-batch's loss is its share of the step's loss; times the micro-batch count, the mean over the
         # step's micro-batches is the step's loss, comparable with the logged `loss`.
         share = _upstream.accumulation_steps(trainer)
         trainer.record_metric("loss_clean", clean * share)
         if adv is None:
-            trainer.trick_state["adv_skipped"] = trainer.trick_state.get("adv_skipped", 0) + 1
+            self.skipped += 1
         else:
             trainer.record_metric("loss_adv", adv * share)
         return clean
-
-    def _neftune(self, trainer, model: nn.Module) -> NEFTuneNoise | None:
-        """NEFTune noise shared by the passes of one micro-batch, on the module upstream's hook would use."""
-        if self.neftune_alpha is None:
-            return None
-        embeddings = unwrap_peft_model(trainer.accelerator.unwrap_model(model)).get_input_embeddings()
-        return NEFTuneNoise(embeddings, self.neftune_alpha)
 
     def _attacker(self, trainer, model: nn.Module) -> FGM | PGD | AWP | FreeLB:
         """The attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
@@ -196,6 +252,3 @@ class Adversarial(Trick):
                     target=args.adv_target,
                 )
         return self.attacker
-
-
-__all__ += ["ADV_NORMS"]

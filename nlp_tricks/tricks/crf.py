@@ -5,21 +5,50 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..functional.crf import CRF, add_crf, compact, expand
 from ..functional.outputs import output_logits
-from .base import LossBatch, Trick
+from ..trick import LossBatch, Trick
 
-__all__ = ["CRFHead"]
+__all__ = ["CRFHead", "CRFArguments"]
+
+
+@dataclass
+class CRFArguments:
+    """A linear-chain CRF over a token classifier."""
+
+    crf: bool = field(
+        default=False,
+        metadata={
+            "help": "Train a linear-chain CRF over the word-level logits of a *ForTokenClassification model "
+            "(positions labelled -100 skipped) and predict with Viterbi. The CRF is saved with the model as `crf.*`; "
+            "load it with nlp_tricks.crf.load_crf_model. The loss is the negative log-likelihood summed over "
+            "sentences / the number of sentences in the whole accumulated batch."
+        },
+    )
+    crf_lr_scale: float = field(
+        default=100.0,
+        metadata={"help": "Learning-rate multiplier (> 0) of the CRF's start / end / transition scores."},
+    )
+    crf_bio_constraints: bool = field(
+        default=False,
+        metadata={
+            "help": "Forbid the transitions the BIO (IOB2) scheme does not allow, read from the label names: I-X only "
+            "after B-X or I-X, never first. Needs crf."
+        },
+    )
 
 
 class CRFHead(Trick):
     """``crf``: attaches ``model.crf``; the loss (per sentence) is computed inside the model's forward by a hook, as
     a built-in CRF head would, so DDP / FSDP see its scores used; predictions are the Viterbi paths."""
 
+    arguments = CRFArguments
+    order = 400
     changes_loss = True
 
     def __init__(self, args):
@@ -51,8 +80,8 @@ class CRFHead(Trick):
             raise ValueError("crf does not apply to batches with teacher_logits (distillation)")
         return batch
 
-    def loss_in_forward(self, trainer, batch: LossBatch):
-        return self._hook.computing(batch.loss_labels, batch.num_items)
+    def forward_context(self, trainer, batch: LossBatch):
+        return self._hook.computing(batch)
 
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         return self.crf_loss(trainer.model, logits, labels, num_items_in_batch)
@@ -83,7 +112,7 @@ class CRFHead(Trick):
         # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
         return {"no_decay": (r"^crf\.",), "module_lr_scales": {"crf": self.args.crf_lr_scale}}
 
-    def prediction_step(self, trainer, logits, inputs):
+    def adjust_predictions(self, trainer, inputs, logits):
         """The Viterbi paths as one-hot scores at the labelled positions (argmax of the logits elsewhere), so
         argmax-based metrics score the paths."""
         labels = inputs.get("labels")
@@ -118,10 +147,12 @@ class _CRFLossHook:
         self._handle = model.register_forward_hook(self)
 
     @contextlib.contextmanager
-    def computing(self, labels: torch.Tensor, num_items_in_batch):
-        self._pending = (labels, num_items_in_batch)
+    def computing(self, batch: LossBatch):
+        """While open, the model's next forward returns the CRF loss of ``batch`` (then ``batch.loss_in_outputs``)."""
+        self._pending = (batch.loss_labels, batch.num_items)
         try:
             yield
+            batch.loss_in_outputs = self._pending is None
         finally:
             self._pending = None
 

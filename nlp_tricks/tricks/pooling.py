@@ -3,20 +3,43 @@ model's own pooler. Its math is in :mod:`nlp_tricks.pooling`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import seeded
 from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
-from .base import Trick
+from ..trick import Trick
 
-__all__ = ["PoolingHead"]
+__all__ = ["PoolingHead", "PoolingArguments"]
+
+
+@dataclass
+class PoolingArguments:
+    """Sequence classification from a pooled vector."""
+
+    pooling: str | None = field(
+        default=None,
+        metadata={
+            "help": "Sequence classification on an encoder: classify from this pooled vector instead of the model's "
+            "own pooler / first token. 'cls' (first position), 'mean' / 'max' (over the positions the attention mask "
+            "keeps), 'mean_max' (both concatenated; the head's first linear layer doubles its input), "
+            "'weighted_layers' (learned softmax weights over every layer's masked mean) or 'attention' (learned "
+            "attention over positions). The pooled vector feeds the model's own head; saved with the model "
+            "(config.pooling); load it with nlp_tricks.pooling.load_pooled_model. Default: the model's own head.",
+            "choices": list(POOLING_MODES),
+        },
+    )
 
 
 class PoolingHead(Trick):
     """Attaches :func:`~nlp_tricks.pooling.add_pooling` to the model before the Trainer wraps it; its new weights are
     drawn under ``seed``. Training, saving and loading need nothing else (``load_pooled_model`` reads the saved
     model back)."""
+
+    arguments = PoolingArguments
+    order = 100
 
     def __init__(self, args):
         self.args = args

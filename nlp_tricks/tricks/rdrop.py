@@ -3,19 +3,39 @@ Its math is :func:`nlp_tricks.losses.rdrop_kl`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..functional.losses import rdrop_kl
-from .base import LossBatch, Trick, record_loss_term
+from ..trick import LossBatch, Trick
 
-__all__ = ["RDrop"]
+__all__ = ["RDrop", "RDropArguments"]
+
+
+@dataclass
+class RDropArguments:
+    """R-Drop."""
+
+    rdrop_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "R-Drop (Liang et al. 2021) weight alpha >= 0; 0 disables it. Each batch runs twice with "
+            "independent dropout (as one doubled batch) and the loss per counted item is loss(a) + loss(b) + "
+            "alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a)), with loss_type's loss on both passes; logs `loss_kl`. "
+            "Needs a model with dropout."
+        },
+    )
 
 
 class RDrop(Trick):
     """The batch runs twice with independent dropout (one forward of the doubled batch); the loss per counted item
     is ``loss(a) + loss(b) + rdrop_alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))``. Logs ``loss_kl``."""
 
+    arguments = RDropArguments
+    order = 600
     changes_loss = True
+    in_evaluation = False
 
     def __init__(self, args):
         self.args = args
@@ -35,8 +55,6 @@ class RDrop(Trick):
 
     def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
         """The batch concatenated with itself along the batch dimension (one forward gives both dropout passes)."""
-        if not trainer.model.training:
-            return batch
         size = batch.labels.shape[0]
         inputs = {}
         for key, value in batch.inputs.items():
@@ -60,8 +78,6 @@ class RDrop(Trick):
         )
 
     def adjust_logits_loss(self, trainer, logits, batch: LossBatch, loss):
-        if not trainer.model.training:
-            return loss
         # The loss sums both passes per item; a mean over the doubled batch is half of that.
         return (loss if batch.num_items is not None else 2 * loss) + self.kl_term(
             trainer, logits, batch.loss_labels, batch.num_items
@@ -83,5 +99,5 @@ class RDrop(Trick):
                 )
             self._checked = True
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
-        record_loss_term(trainer, "loss_kl", kl, num_items_in_batch)
+        trainer.record_loss_term("loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl

@@ -4,7 +4,7 @@ and encoder-decoder models (Seq2SeqTricksTrainer). The passes are in :mod:`nlp_t
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass, field
 
 from torch import nn
 from transformers import Seq2SeqTrainer
@@ -17,9 +17,49 @@ from ..functional.scheduled_sampling import (
     validate_mixing,
     validate_schedule,
 )
-from .base import Trick
+from ..trick import Trick
 
-__all__ = ["ScheduledSampling"]
+__all__ = ["ScheduledSampling", "ScheduledSamplingArguments"]
+
+
+@dataclass
+class ScheduledSamplingArguments:
+    """Scheduled sampling (encoder-decoder models and decoder-only causal LMs)."""
+
+    scheduled_sampling: str = field(
+        default="none",
+        metadata={
+            "help": "Scheduled sampling (Bengio et al. 2015, two passes as in Mihaylova & Martins 2019) for "
+            "encoder-decoder models (Seq2SeqTricksTrainer) and decoder-only causal LMs (TricksTrainer): the "
+            "teacher-forcing ratio's schedule over optimizer steps. 'none' (plain teacher forcing), 'constant' "
+            "(ratio ss_k), 'linear' (1 - step / ss_k), 'exponential' (ss_k ** step) or 'inverse_sigmoid' "
+            "(ss_k / (ss_k + exp(step / ss_k))).",
+            "choices": ["none", *SCHEDULES],
+        },
+    )
+    ss_k: float | None = field(
+        default=None,
+        metadata={
+            "help": "Parameter of the scheduled_sampling schedule: constant: the ratio in [0, 1]; linear: steps to "
+            "reach 0 (> 0); exponential: base in (0, 1), e.g. 0.999; inverse_sigmoid: k >= 1, e.g. 1000."
+        },
+    )
+    ss_min_ratio: float = field(
+        default=0.0, metadata={"help": "Floor of the teacher-forcing ratio, in [0, 1] (Bengio et al.'s epsilon)."}
+    )
+    ss_mode: str = field(
+        default="argmax",
+        metadata={
+            "help": "What replaces a gold input token (a decoder input; for a causal LM a completion token, never "
+            "the prompt): 'argmax' (the pass-1 prediction), 'sample' (a sample from "
+            "softmax(logits / ss_temperature)) or 'soft' (the expected embedding "
+            "softmax(logits / ss_temperature) @ E).",
+            "choices": list(MODES),
+        },
+    )
+    ss_temperature: float = field(
+        default=1.0, metadata={"help": "Softmax temperature (> 0) of ss_mode 'sample' and 'soft'."}
+    )
 
 
 class ScheduledSampling(Trick):
@@ -29,12 +69,14 @@ class ScheduledSampling(Trick):
     checkpoint) and logged as ``teacher_forcing_ratio``. The passes of one micro-batch of an attack reuse the first
     pass's draw."""
 
+    arguments = ScheduledSamplingArguments
+    order = 300
     changes_loss = True
+    in_evaluation = False
 
     def __init__(self, args):
         self.args = args
         self.sampler = ScheduledSampler(args.scheduled_sampling, args.ss_k, args.ss_min_ratio)
-        self._shared: dict | None = None  # inside micro_batch(): {"draw": the first pass's draw}
 
     @classmethod
     def from_args(cls, args) -> ScheduledSampling | None:
@@ -83,15 +125,14 @@ class ScheduledSampling(Trick):
             )
 
     def forward(self, trainer, model: nn.Module, inputs: dict, labels):
-        """The pass-2 outputs at the ratio of ``state.global_step``, or None at ratio 1 (the plain forward)."""
-        if not model.training:
-            return None
+        """The pass-2 outputs at the ratio of ``state.global_step``, or None at ratio 1 (the plain forward). The passes
+        of one micro-batch (an attack's) reuse the first pass's draw, kept in ``trainer.loss_context.shared``."""
         ratio = self.sampler.ratio(trainer.state.global_step)
         trainer.record_metric("teacher_forcing_ratio", ratio)
         if ratio >= 1.0:
             return None
-        shared = self._shared
-        draw = shared.get("draw") if shared is not None else None
+        shared = trainer.loss_context.shared if trainer.loss_context is not None else {}
+        draw = shared.get("scheduled_sampling")
         unwrapped = trainer.accelerator.unwrap_model(model)
         if getattr(getattr(unwrapped, "config", None), "is_encoder_decoder", False):
             from ..seq2seq.scheduled_sampling import scheduled_sampling_forward as passes
@@ -112,17 +153,8 @@ class ScheduledSampling(Trick):
                 draw=draw,
                 return_draw=True,
             )
-        if shared is not None:
-            shared["draw"] = draw
+        shared["scheduled_sampling"] = draw
         return outputs
-
-    @contextlib.contextmanager
-    def micro_batch(self, trainer):
-        self._shared = {}
-        try:
-            yield
-        finally:
-            self._shared = None
 
 
 __all__ += ["MODES", "SCHEDULES"]

@@ -3,13 +3,48 @@ forward. The math is :class:`nlp_tricks.smart.SMART`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..functional.outputs import output_logits
 from ..functional.smart import SMART, validate_smart
-from .base import LossBatch, Trick, record_loss_term
+from ..trick import LossBatch, Trick
 
-__all__ = ["SmoothnessRegularization"]
+__all__ = ["SmoothnessRegularization", "SMARTArguments"]
+
+
+@dataclass
+class SMARTArguments:
+    """SMART (smoothness-inducing adversarial regularisation)."""
+
+    smart_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "SMART (Jiang et al. 2020) weight lambda_s >= 0; 0 disables it. Adds lambda_s * (KL(p || q) + "
+            "KL(q || p)) per counted item to the loss of every training forward, p the softmax at the embedding "
+            "output x, q at x + delta, delta found from a N(0, 1e-5^2) start by smart_steps ascent steps on that "
+            "divergence; logs `loss_smart`. Needs no labels beyond the loss's. Paper: 1, 3 or 5."
+        },
+    )
+    smart_epsilon: float = field(
+        default=1e-5,
+        metadata={"help": "SMART's perturbation radius epsilon > 0, elementwise (the inf-norm ball). Paper: 1e-5."},
+    )
+    smart_step_size: float = field(
+        default=1e-3,
+        metadata={
+            "help": "SMART's ascent step size eta > 0, on the gradient divided by its inf-norm per example. "
+            "Paper: 1e-3."
+        },
+    )
+    smart_steps: int = field(
+        default=1,
+        metadata={
+            "help": "SMART's ascent steps T_x >= 1 per forward (each one more forward and a backward to the "
+            "embeddings). Paper: 1."
+        },
+    )
 
 
 class SmoothnessRegularization(Trick):
@@ -19,14 +54,22 @@ class SmoothnessRegularization(Trick):
     ``R`` is per counted item like the loss, so gradient accumulation stays exact. Logs ``loss_smart`` (``R``);
     ``smart_skipped`` counts the forwards whose ascent gradient had an inf or a NaN (no term there)."""
 
+    arguments = SMARTArguments
     name = "SMART"
+    order = 650
     changes_loss = True
+    in_evaluation = False
+    deepspeed = False
+    fsdp = False
+    unsupported_reason = "its extra forwards run the unwrapped model outside the engine / on sharded parameters"
+    logged_state = ("smart_skipped",)
     #: sigma of the random start: the paper's 1e-5 (not a field; a subclass or the instance may change it).
     noise_std: float = 1e-5
 
     def __init__(self, args):
         self.args = args
         self.smart: SMART | None = None
+        self.skipped = 0  # forwards whose ascent gradient had an inf or a NaN
 
     @classmethod
     def from_args(cls, args) -> SmoothnessRegularization | None:
@@ -45,22 +88,17 @@ class SmoothnessRegularization(Trick):
     def summary(self) -> list[str]:
         args = self.args
         return [
-            f"smart_alpha={args.smart_alpha}, smart_epsilon={args.smart_epsilon}, "
-            f"smart_step_size={args.smart_step_size}, smart_steps={args.smart_steps}"
+            f"smart_alpha={args.smart_alpha}",
+            f"smart_epsilon={args.smart_epsilon}",
+            f"smart_step_size={args.smart_step_size}",
+            f"smart_steps={args.smart_steps}",
         ]
 
-    def setup(self, trainer) -> None:
-        if getattr(trainer, "is_deepspeed_enabled", False):
-            raise ValueError(
-                f"smart_alpha={self.args.smart_alpha} is not supported with DeepSpeed (its extra forwards run the "
-                "model outside the engine)"
-            )
-        if getattr(trainer, "is_fsdp_enabled", False):
-            raise ValueError(
-                f"smart_alpha={self.args.smart_alpha} is not supported with FSDP (its extra forwards run the "
-                "unwrapped model, whose parameters FSDP shards)"
-            )
-        trainer.trick_state.setdefault("smart_skipped", 0)
+    def state_dict(self) -> dict:
+        return {"smart_skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped = int(state.get("smart_skipped", 0))
 
     def _smart(self, trainer) -> SMART:
         """The regulariser of the unwrapped model (built once; rebuilt if the model was replaced)."""
@@ -109,7 +147,7 @@ class SmoothnessRegularization(Trick):
             grad_scale=scaler.get_scale() if scaler is not None else None,
         )
         if term is None:
-            trainer.trick_state["smart_skipped"] = trainer.trick_state.get("smart_skipped", 0) + 1
+            self.skipped += 1
             return loss
-        record_loss_term(trainer, "loss_smart", term, batch.num_items)
+        trainer.record_loss_term("loss_smart", term, batch.num_items)
         return loss + self.args.smart_alpha * term

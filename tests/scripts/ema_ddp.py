@@ -20,7 +20,12 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
 from ddp_helpers import AllReduceCountingTrainer, model_weights, save_rank  # noqa: E402
-from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+from tiny import (  # noqa: E402
+    bert_token_cls,
+    ema_of,  # noqa: E402
+    token_cls_data,
+    tricks_args,
+)
 
 SETTINGS = {
     "plain": dict(),
@@ -65,10 +70,10 @@ def main(out_dir: str) -> None:
         tensors = model_weights(trainer)
         for step, weights in enumerate(recorder.after_step, start=1):
             tensors.update({f"step{step}.{k}": v for k, v in weights.items()})
-        if trainer.ema is not None:
-            tensors.update({f"ema.{k}": v for k, v in trainer.ema.state_dict()["shadow"].items()})
+        if ema_of(trainer) is not None:
+            tensors.update({f"ema.{k}": v for k, v in ema_of(trainer).state_dict()["shadow"].items()})
         report = {
-            "ema_updates": None if trainer.ema is None else trainer.ema.num_updates,
+            "ema_updates": None if ema_of(trainer) is None else ema_of(trainer).num_updates,
             "evals": sum("eval_loss" in e for e in trainer.state.log_history),
         }
         save_rank(trainer, out, name, tensors, report)

@@ -23,7 +23,12 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny.py
 
 from nlp_tricks import TricksTrainer  # noqa: E402
-from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+from tiny import (  # noqa: E402
+    bert_token_cls,
+    ema_of,  # noqa: E402
+    token_cls_data,
+    tricks_args,
+)
 
 STEPS = 12
 
@@ -68,7 +73,7 @@ def run_settings(out: Path, steps: int, send: SendSignal | None = None, resume: 
 
 def weights(trainer: TricksTrainer) -> tuple[dict, dict]:
     raw = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    ema = {k: v.detach().clone() for k, v in trainer.ema.state_dict()["shadow"].items()}
+    ema = {k: v.detach().clone() for k, v in ema_of(trainer).state_dict()["shadow"].items()}
     return raw, ema
 
 

@@ -23,7 +23,14 @@ from transformers import TrainerCallback  # noqa: E402
 
 from nlp_tricks import TricksTrainer  # noqa: E402
 from nlp_tricks.seq2seq import Seq2SeqTricksTrainer  # noqa: E402
-from tiny import bart_lm, bert_token_cls, seq2seq_data, token_cls_data, tricks_args  # noqa: E402
+from tiny import (  # noqa: E402
+    bart_lm,
+    bert_token_cls,
+    ema_of,  # noqa: E402
+    seq2seq_data,
+    token_cls_data,
+    tricks_args,
+)
 from tiny_seq2seq import seq2seq_args  # noqa: E402
 
 # The schedule the test relies on: 12 examples / batch 4 = 3 steps per epoch, a checkpoint every 2 steps.
@@ -82,8 +89,8 @@ def run(out, config, kill_after_save=None, resume=False, max_steps=MAX_STEPS):
     save_file({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, "final.safetensors"))
     with open(os.path.join(out, "final_trick_state.json"), "w") as f:
         json.dump(trainer.trick_state, f)
-    if trainer.ema is not None:  # --ema_decay: the average, to compare as well
-        trainer.ema.save(os.path.join(out, "final_ema.safetensors"))
+    if ema_of(trainer) is not None:  # --ema_decay: the average, to compare as well
+        ema_of(trainer).save(os.path.join(out, "final_ema.safetensors"))
 
 
 def main():

@@ -1,9 +1,10 @@
-"""The configured loss on the logits: ``loss_type`` (cross-entropy, focal, label smoothing), ``temperature`` and
-``class_weights``. Its math is in :mod:`nlp_tricks.losses`."""
+"""``loss_type`` (cross-entropy, focal, label smoothing), ``temperature`` and ``class_weights``: the configured loss
+on the logits. Its math is in :mod:`nlp_tricks.functional.losses`."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,19 +16,61 @@ from ..functional.losses import (
     label_smoothing_cross_entropy,
     parse_class_weights,
 )
-from .base import LossBatch, Trick
+from ..trick import LossBatch, Trick
 
-__all__ = ["LossFunction", "LOSS_TYPES"]
+__all__ = ["LossFunction", "LossArguments", "LOSS_TYPES"]
 
 logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("ce", "focal", "label_smoothing")
 
 
+@dataclass
+class LossArguments:
+    """The configured loss (``label_smoothing_factor`` is ``TrainingArguments``')."""
+
+    loss_type: str = field(
+        default="ce",
+        metadata={
+            "help": "Training loss on the logits: 'ce' (cross-entropy; label_smoothing_factor > 0 smooths it), "
+            "'focal' (Lin et al. 2017, see focal_gamma / focal_alpha) or 'label_smoothing' "
+            "(Szegedy et al. 2016, smoothing mass from label_smoothing_factor).",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    focal_gamma: float = field(
+        default=2.0, metadata={"help": "Focal loss focusing parameter gamma >= 0 (0 gives cross-entropy)."}
+    )
+    focal_alpha: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Focal loss class weights, a weighted mean like cross_entropy's `weight`: one value a (as in "
+            "Lin et al.: a for every class but the background 'O', 1 - a for it; e.g. --focal_alpha 0.25), or one "
+            "weight per class in the order of the model's id2label (the recipes: the sorted training labels; a wrong "
+            "count is an error that prints the order). Default: none."
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Divide the logits by this temperature (> 0) before any loss. 1.0 leaves them as they are."},
+    )
+
+    class_weights: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Per-class weights of the cross-entropy (loss_type 'ce' or 'label_smoothing'), one per label "
+            "(e.g. --class_weights 1 3 3), or 'balanced': n_samples / (n_classes * count) from the training labels. "
+            "The loss is a weighted mean like F.cross_entropy(weight=...), over the whole accumulated batch."
+        },
+    )
+
+
 class LossFunction(Trick):
     """``loss_type`` on ``logits / temperature`` (float32), weighted by ``class_weights``: the last trick asked for
     the loss, so it is always there (plain cross-entropy when nothing is set)."""
 
+    arguments = LossArguments
+    order = 800
     changes_loss = True
 
     def __init__(self, args):
@@ -56,16 +99,14 @@ class LossFunction(Trick):
                 )
         if args.temperature <= 0:
             raise ValueError(f"temperature={args.temperature} is not allowed; it must be > 0")
-        if not 0.0 <= args.label_smoothing_factor < 1.0:
-            raise ValueError(
-                f"label_smoothing_factor={args.label_smoothing_factor} is not allowed; it must be in [0, 1)"
-            )
-        if args.loss_type == "label_smoothing" and args.label_smoothing_factor == 0:
+        if not 0.0 <= _smoothing(args) < 1.0:
+            raise ValueError(f"label_smoothing_factor={_smoothing(args)} is not allowed; it must be in [0, 1)")
+        if args.loss_type == "label_smoothing" and _smoothing(args) == 0:
             raise ValueError(
                 "loss_type='label_smoothing' takes its smoothing mass from label_smoothing_factor, which is 0; "
                 "set label_smoothing_factor in (0, 1), e.g. 0.1"
             )
-        if args.loss_type == "focal" and args.label_smoothing_factor > 0:
+        if args.loss_type == "focal" and _smoothing(args) > 0:
             raise ValueError(
                 "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
             )
@@ -75,17 +116,13 @@ class LossFunction(Trick):
                 f"class_weights apply to loss_type 'ce' or 'label_smoothing', not {args.loss_type!r}; focal loss "
                 "takes its class weights from focal_alpha"
             )
-        if args.distill_temperature <= 0:
-            raise ValueError(f"distill_temperature={args.distill_temperature} is not allowed; it must be > 0")
-        if not 0.0 <= args.distill_alpha <= 1.0:
-            raise ValueError(f"distill_alpha={args.distill_alpha} is not allowed; it must be in [0, 1]")
 
     def summary(self) -> list[str]:
         args, settings = self.args, []
         if args.loss_type != "ce":
             settings.append(f"loss_type={args.loss_type!r}")
-        if args.label_smoothing_factor > 0:
-            settings.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+        if _smoothing(args) > 0:
+            settings.append(f"label_smoothing_factor={_smoothing(args)}")
         if args.temperature != 1.0:
             settings.append(f"temperature={args.temperature}")
         if args.class_weights is not None:
@@ -129,6 +166,8 @@ class LossFunction(Trick):
         args = self.args
         if args.temperature != 1.0:
             logits = logits / args.temperature
+            if trainer.loss_context is not None:
+                trainer.loss_context.logits = logits  # the logits the loss used
         if args.loss_type == "focal":
             return focal_loss(
                 logits,
@@ -137,11 +176,11 @@ class LossFunction(Trick):
                 alpha=self.focal_alpha(trainer),
                 num_items_in_batch=num_items_in_batch,
             )
-        if args.loss_type == "label_smoothing" or args.label_smoothing_factor > 0:
+        if args.loss_type == "label_smoothing" or _smoothing(args) > 0:
             return label_smoothing_cross_entropy(
                 logits,
                 labels,
-                epsilon=args.label_smoothing_factor,
+                epsilon=_smoothing(args),
                 num_items_in_batch=num_items_in_batch,
                 weight=self.class_weights,
             )
@@ -174,3 +213,8 @@ def _dataset_labels(dataset):
         return [dataset[i]["labels"] for i in range(len(dataset))]
     except (TypeError, KeyError, IndexError, NotImplementedError):
         return None
+
+
+def _smoothing(args) -> float:
+    """``label_smoothing_factor`` (a ``TrainingArguments`` field; 0 where the arguments have none)."""
+    return getattr(args, "label_smoothing_factor", 0.0)

@@ -3,28 +3,51 @@ mechanics are in :class:`nlp_tricks.heads.MultiSampleDropout`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from ..functional.multi_sample_dropout import MultiSampleDropout as _Hooks
-from ..functional.multi_sample_dropout import validate_multi_sample_dropout
-from .base import Trick
+from ..functional.multi_sample_dropout import MultiSampleDropout, validate_multi_sample_dropout
+from ..trick import Trick
 
-__all__ = ["MultiSampleDropout"]
+__all__ = ["MultiSampleDropoutHead", "HeadDropoutArguments"]
 
 
-class MultiSampleDropout(Trick):
+@dataclass
+class HeadDropoutArguments:
+    """Multi-sample dropout on the classification head's input."""
+
+    head_dropout_samples: int = field(
+        default=1,
+        metadata={
+            "help": "Multi-sample dropout (Inoue 2019): K >= 1 dropout masks on the features entering the "
+            "classification head; the loss is the mean of the K heads' losses. Off at evaluation. 1: off."
+        },
+    )
+    head_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Dropout probability in [0, 1) of each multi-sample dropout mask (with head_dropout_samples)."
+        },
+    )
+
+
+class MultiSampleDropoutHead(Trick):
     """K dropout masks on the features entering the head; the loss is the mean of the K heads' losses (the
     returned logits are the first head's). Off at evaluation."""
 
+    arguments = HeadDropoutArguments
+    order = 500
     changes_loss = True
+    in_evaluation = False
 
     def __init__(self, args):
         self.args = args
-        self.hooks: _Hooks | None = None
+        self.hooks: MultiSampleDropout | None = None
 
     @classmethod
-    def from_args(cls, args) -> MultiSampleDropout | None:
+    def from_args(cls, args) -> MultiSampleDropoutHead | None:
         return cls(args) if args.head_dropout_samples > 1 or args.head_dropout > 0 else None
 
     @staticmethod
@@ -34,12 +57,12 @@ class MultiSampleDropout(Trick):
         )
 
     def summary(self) -> list[str]:
-        return [f"head_dropout_samples={self.args.head_dropout_samples}, head_dropout={self.args.head_dropout}"]
+        return [f"head_dropout_samples={self.args.head_dropout_samples}", f"head_dropout={self.args.head_dropout}"]
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
         if self.hooks is not None:
             self.hooks.remove()
-        self.hooks = _Hooks.attach(model, self.args.head_dropout_samples, self.args.head_dropout)
+        self.hooks = MultiSampleDropout.attach(model, self.args.head_dropout_samples, self.args.head_dropout)
 
     def head_samples(self, trainer, logits: torch.Tensor) -> list[torch.Tensor] | None:
         samples = self.hooks.take() if self.hooks is not None else None

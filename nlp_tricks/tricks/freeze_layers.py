@@ -1,51 +1,48 @@
-"""``reinit_layers``, and ``freeze_layers`` / ``freeze_embeddings`` / ``unfreeze_at_step``: whole layers started
-again or held fixed. Their mechanics are in :mod:`nlp_tricks.layers`."""
+"""``freeze_layers`` / ``freeze_embeddings`` / ``unfreeze_at_step``: the embeddings and bottom layers held fixed
+(for a while). The mechanics are in :mod:`nlp_tricks.functional.layers`."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import ParallelMode
 
-from ..functional.layers import freeze_bottom_layers, model_layers, reinit_top_layers, seeded, unfreeze
-from .base import Trick
-
-__all__ = ["ReinitLayers", "LayerFreezing"]
+from ..functional.layers import freeze_bottom_layers, model_layers, unfreeze
+from ..trick import Trick
+from .reinit_layers import check_count
 
 logger = logging.getLogger(__name__)
 
 
-def _check_count(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 0")
+__all__ = ["LayerFreezing", "FreezeArguments"]
 
 
-class ReinitLayers(Trick):
-    """Re-initialises the top ``reinit_layers`` layers (and the base model's pooler) with the model's own
-    ``_init_weights`` before training, drawing under ``seed`` (the global RNG is left as it was)."""
+@dataclass
+class FreezeArguments:
+    """Frozen embeddings and bottom layers."""
 
-    def __init__(self, args):
-        self.args = args
-        self.reinitialised: list[str] = []
-
-    @classmethod
-    def from_args(cls, args) -> ReinitLayers | None:
-        return cls(args) if args.reinit_layers > 0 else None
-
-    @staticmethod
-    def validate(args) -> None:
-        _check_count(args.reinit_layers, "reinit_layers")
-
-    def summary(self) -> list[str]:
-        return [f"reinit_layers={self.args.reinit_layers}"]
-
-    def prepare_model(self, trainer, model: nn.Module) -> None:
-        param = next(model.parameters(), None)
-        with seeded(self.args.seed, param.device if param is not None else None):
-            self.reinitialised = reinit_top_layers(model, self.args.reinit_layers)
-        logger.info(f"reinit_layers={self.args.reinit_layers}: re-initialised {', '.join(self.reinitialised)}")
+    freeze_layers: int = field(
+        default=0,
+        metadata={
+            "help": "Freeze the embeddings and the bottom N layers: no update and no optimizer state (see "
+            "unfreeze_at_step). 0: off."
+        },
+    )
+    freeze_embeddings: bool = field(
+        default=False,
+        metadata={"help": "Freeze the embeddings (with freeze_layers > 0 they are frozen anyway)."},
+    )
+    unfreeze_at_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Make the frozen parameters (freeze_layers / freeze_embeddings) trainable from optimizer step S "
+            "(>= 1): steps 0..S-1 leave them alone, their optimizer state starts at step S. Under DDP it needs "
+            "ddp_find_unused_parameters (on by default without gradient checkpointing). Default: frozen throughout."
+        },
+    )
 
 
 class LayerFreezing(Trick):
@@ -58,6 +55,10 @@ class LayerFreezing(Trick):
     starts then). Only parameters that were trainable are touched: a PEFT model's frozen base stays frozen.
     """
 
+    arguments = FreezeArguments
+    # After the EMA (1100): it is built when training begins, before this trick freezes what unfreeze_at_step thaws.
+    order = 1300
+
     def __init__(self, args):
         self.args = args
         self.frozen: list[nn.Parameter] = []
@@ -68,7 +69,7 @@ class LayerFreezing(Trick):
 
     @staticmethod
     def validate(args) -> None:
-        _check_count(args.freeze_layers, "freeze_layers")
+        check_count(args.freeze_layers, "freeze_layers")
         step = args.unfreeze_at_step
         if step is not None:
             if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -88,11 +89,11 @@ class LayerFreezing(Trick):
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
         n = self.args.freeze_layers
-        if self.args.reinit_layers:
+        if getattr(self.args, "reinit_layers", 0):
             _, layers, _ = model_layers(model)
-            if n > len(layers) - self.args.reinit_layers:
+            if n > len(layers) - getattr(self.args, "reinit_layers", 0):
                 raise ValueError(
-                    f"freeze_layers={n} and reinit_layers={self.args.reinit_layers} overlap on "
+                    f"freeze_layers={n} and reinit_layers={getattr(self.args, 'reinit_layers', 0)} overlap on "
                     f"{type(unwrap_peft_model(model)).__name__}'s {len(layers)} layers: a re-initialised layer would "
                     "never train"
                 )
