@@ -27,6 +27,7 @@ from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
 from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
+from .runtime.drop_in import DropInLosses
 from .runtime.param_groups import (
     NO_DECAY_PATTERNS,
     build_param_groups,
@@ -41,12 +42,14 @@ from .runtime.state import (
     TRAINER_ENTRY,
     TRICKS_STATE_NAME,
     StateEntries,
+    TrickStateView,
     checkpoint_trick_states,
     legacy_state,
+    restore_states,
     save_trick_states,
 )
 from .runtime.streams import TrickDataStream
-from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, nested
+from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, merge_options, nested
 from .tricks import built_in_tricks, tricks_section
 
 __all__ = ["TricksTrainer"]
@@ -57,7 +60,7 @@ logger = logging.getLogger(__name__)
 _EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
 
 
-class TricksTrainer(Trainer):
+class TricksTrainer(DropInLosses, Trainer):
     """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
     and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``, sorted by their ``order``.
 
@@ -214,7 +217,7 @@ class TricksTrainer(Trainer):
         if rule == "nested":
             return nested(self._call(trick, hook, args) for trick in tricks)
         if rule == "merge":
-            return _merge_options([(trick, self._call(trick, hook, args)) for trick in tricks])
+            return merge_options([(trick, self._call(trick, hook, args)) for trick in tricks])
         for trick in tricks:
             if rule == "chain":
                 value = self._call(trick, hook, (*args, value))
@@ -258,7 +261,7 @@ class TricksTrainer(Trainer):
             if trick.logged_state:
                 state = trick.state_dict()
                 logged.update({key: state[key] for key in trick.logged_state if key in state})
-        return _TrickState(self._own_state, logged)
+        return TrickStateView(self._own_state, logged)
 
     @trick_state.setter
     def trick_state(self, value: Mapping) -> None:
@@ -528,133 +531,6 @@ class TricksTrainer(Trainer):
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
 
-    # ---- Drop-in compatibility -------------------------------------------------------------------------------------
-
-    def _labelled_pipeline_tricks(self) -> list[str]:
-        """The loss tricks that act through the labelled pipeline's stages other than ``compute_loss`` (R-Drop's
-        doubled batch, a CRF's forward, multi-sample dropout's heads): what a batch without one label column skips."""
-        stages = ("prepare_loss_batch", "forward_context", "forward", "head_samples", "adjust_logits_loss")
-        return [
-            setting
-            for trick in self.tricks
-            if trick.changes_loss and any(trick.overrides(stage) for stage in stages)
-            for setting in trick.summary()
-        ]
-
-    def _loss_tricks_in_use(self) -> list[str]:
-        """The tricks that change the loss, as ``field=value``: what a model's own loss or compute_loss_func skips."""
-        return [setting for trick in self.tricks if trick.changes_loss for setting in trick.summary()]
-
-    def _check_compute_loss_func(self) -> None:
-        """A ``compute_loss_func`` replaces the training loss: refuse the tricks it would silently switch off."""
-        if self.compute_loss_func is None:
-            return
-        refused = self._loss_tricks_in_use()
-        if refused:
-            raise ValueError(
-                f"compute_loss_func replaces the training loss, so {', '.join(refused)} would not apply; "
-                "reset them to their defaults or drop compute_loss_func (override compute_tricks_loss to add a loss "
-                "to the tricks' one)"
-            )
-
-    def _compute_loss_with_loss_func(self, model, inputs, num_items_in_batch):
-        """Upstream's compute_loss with ``compute_loss_func``: the same call, inputs and loss as plain Trainer."""
-        if "teacher_logits" in inputs:
-            raise ValueError(
-                "a batch carries teacher_logits (distillation), but compute_loss_func replaces the training loss; "
-                "drop one of them"
-            )
-        # Upstream hands `num_items_in_batch` to the forward only if the forward takes loss kwargs, and pops `labels`
-        # from the dict it is given (the adversarial passes reuse theirs).
-        self.model_accepts_loss_kwargs = self._forward_accepts_loss_kwargs
-        try:
-            return super().compute_loss(model, dict(inputs), True, num_items_in_batch)
-        finally:
-            _upstream.count_items_for_every_model(self)
-
-    def _label_key(self, inputs: dict) -> str | None:
-        """The input holding the labels: the one column ``label_names`` names, else ``labels``; None if neither."""
-        names = self.label_names
-        if len(names) == 1 and inputs.get(names[0]) is not None:
-            return names[0]
-        if len(names) > 1 and "labels" in names and all(inputs.get(name) is not None for name in names):
-            return None  # several label columns (e.g. pre-training heads): only the model knows its loss
-        return "labels" if inputs.get("labels") is not None else None
-
-    def _compute_loss_without_labels(self, model: nn.Module, inputs: dict):
-        """No single label column: question answering's positions, several label columns, or none at all."""
-        names = self.label_names
-        if set(names) == {"start_positions", "end_positions"} and all(inputs.get(n) is not None for n in names):
-            return self._question_answering_loss(model, inputs)
-        if model.training:
-            skipped = self._labelled_pipeline_tricks()
-            if skipped:
-                self._warn_once(
-                    f"{', '.join(skipped)} cannot apply to batches without one label column (question answering, "
-                    "several label columns): they train without it"
-                )
-        if len(names) > 1 and any(inputs.get(name) is not None for name in names):
-            self._warn_tricks_do_not_apply(model, f"several label columns ({', '.join(names)})")
-            outputs = model(**inputs)  # not upstream's compute_loss: its label smoother would take `labels` alone
-            return output_loss(outputs), outputs
-        return super().compute_loss(model, inputs, return_outputs=True)
-
-    def _question_answering_loss(self, model: nn.Module, inputs: dict):
-        """The configured loss over start and over end positions, and their mean: the model's loss for ``ce``.
-
-        As the models do, positions are clamped to ``[0, sequence length]`` and those at the length are ignored.
-        """
-        inputs = dict(inputs)
-        positions = [inputs.pop("start_positions"), inputs.pop("end_positions")]
-        outputs = model(**inputs)
-        if isinstance(outputs, dict) and not {"start_logits", "end_logits"} <= set(outputs.keys()):
-            # A beam-search span head (XLNet): only the model knows its loss.
-            self._warn_tricks_do_not_apply(model, "a question-answering head without start / end logits")
-            inputs.update(start_positions=positions[0], end_positions=positions[1])
-            return super().compute_loss(model, inputs, return_outputs=True)
-        logits = (outputs["start_logits"], outputs["end_logits"]) if isinstance(outputs, dict) else outputs[:2]
-        losses = []
-        for logit, position in zip(logits, positions):
-            if position.dim() > 1:
-                position = position.squeeze(-1)
-            ignored = logit.size(1)
-            position = position.to(logit.device).clamp(0, ignored)
-            losses.append(self.compute_tricks_loss(logit, position.masked_fill(position == ignored, -100)))
-        loss = (losses[0] + losses[1]) / 2
-        return loss, self.outputs_with_loss(outputs, loss)
-
-    def _model_loss_reason(self, model: nn.Module, labels: torch.Tensor) -> str | None:
-        """Why the model's own loss is used instead of the configured one; None when the configured one applies.
-
-        Follows the models' ``problem_type`` rule: float labels, a regression or multi-label ``problem_type``, or a
-        sequence-classification head with one output (regression, MSE even on integer labels).
-        """
-        if labels.is_floating_point():
-            return "float labels (regression / multi-label)"
-        unwrapped = self.accelerator.unwrap_model(model)
-        config = getattr(unwrapped, "config", None)
-        problem_type = getattr(config, "problem_type", None)
-        if problem_type in ("regression", "multi_label_classification"):
-            return f"problem_type={problem_type!r}"
-        if (
-            problem_type is None
-            and getattr(config, "num_labels", None) == 1
-            and type(unwrapped).__name__.endswith("ForSequenceClassification")
-        ):
-            return "a regression head (num_labels=1)"
-        return None
-
-    def _warn_tricks_do_not_apply(self, model: nn.Module, reason: str, distilling: bool = False) -> None:
-        tricks = self._loss_tricks_in_use() + (["distillation (teacher_logits)"] if distilling else [])
-        if tricks:
-            name = type(self.accelerator.unwrap_model(model)).__name__
-            self._warn_once(f"{', '.join(tricks)} cannot apply to {name} with {reason}: it trains on its own loss")
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            logger.warning(message)
-
     @staticmethod
     def outputs_with_loss(outputs, loss: torch.Tensor):
         """The outputs as the model returns them given labels: the loss first (upstream's ``prediction_step`` takes
@@ -816,24 +692,10 @@ class TricksTrainer(Trainer):
         save_trick_states(os.path.join(folder, TRICKS_STATE_NAME), states)
 
     def _load_trick_states(self, checkpoint: str) -> None:
-        """Restore every state holder's entry of ``checkpoint`` (one written before the state store: from its
-        ``trainer_state.json`` counters and ``ema_state.safetensors``)."""
-        states = checkpoint_trick_states(checkpoint)
-        legacy = legacy_state(checkpoint) if states is None or TRAINER_ENTRY not in states else None
-        states = states or {}
-        own = states.get(TRAINER_ENTRY) or {}
+        """Restore every state holder's entry of ``checkpoint`` and the trainer's own numbers."""
+        own = restore_states(checkpoint, self._state_holders())
         self._own_state.clear()
-        self._own_state.update(own.get("trick_state") or (legacy or {}).get("trick_state") or {})
-        for name, holder in self._state_holders().items():
-            state = states.get(name)
-            if state is None and legacy is not None:
-                state = _legacy_state_of(holder, legacy)
-            if state is not None:
-                holder.load_state_dict(state)
-        if legacy is not None:  # counters of the trainer's own are those no trick claimed
-            claimed = {key for trick in self.tricks for key in trick.logged_state}
-            for key in claimed & set(self._own_state):
-                del self._own_state[key]
+        self._own_state.update(own)
 
     def _saved_group_signature(self, checkpoint: str) -> dict | None:
         states = checkpoint_trick_states(checkpoint) or {}
@@ -1022,75 +884,9 @@ class TricksTrainer(Trainer):
             f.write(tricks_section(self.tricks, self.call_tricks("saved_weights_info")))
 
 
-class _TrickState(dict):
-    """``trainer.trick_state``: the trainer's own numbers over the tricks' logged ones, as a plain dict (it
-    serialises); what is written into it goes through to the trainer's own store."""
-
-    def __init__(self, own: dict, logged: dict):
-        super().__init__({**logged, **own})
-        self._own = own
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self._own[key] = value
-
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self._own.pop(key, None)
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def update(self, *args, **kwargs) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-
-def _legacy_state_of(holder, legacy: dict) -> dict | None:
-    """A state holder's entry from a checkpoint written before the state store: its own conversion, else its
-    ``logged_state`` counters as ``trainer_state.json`` kept them."""
-    if hasattr(holder, "legacy_state"):
-        return holder.legacy_state(legacy)
-    counters = {
-        key: legacy["trick_state"][key] for key in getattr(holder, "logged_state", ()) if key in legacy["trick_state"]
-    }
-    return counters or None
-
-
 def _fresh_copy(trick: Trick) -> Trick:
     """A copy of ``trick`` with none of the state a run gives it (a trick that cannot be copied is reused)."""
     try:
         return copy.deepcopy(trick)
     except Exception:  # a trick holding something uncopyable (a model, an open file): its own responsibility
         return trick
-
-
-def _merge_options(answers: list[tuple[Trick, dict]]) -> dict:
-    """``param_group_options`` of several tricks combined (rule ``merge``)."""
-    merged: dict = {}
-    owners: dict[tuple[str, object], Trick] = {}
-    for trick, options in answers:
-        for key, value in (options or {}).items():
-            if isinstance(value, Mapping):
-                target = merged.setdefault(key, {})
-                for name, item in value.items():
-                    if name in target and target[name] != item:
-                        raise ValueError(
-                            f"{owners[(key, name)]!r} and {trick!r} both set {key}[{name!r}] ({target[name]} and "
-                            f"{item}); only one trick may"
-                        )
-                    target[name] = item
-                    owners[(key, name)] = trick
-            elif isinstance(value, (list, tuple)):
-                merged[key] = tuple(merged.get(key, ())) + tuple(value)
-            else:
-                if key in merged and merged[key] != value:
-                    raise ValueError(
-                        f"{owners[(key, None)]!r} and {trick!r} both set {key} ({merged[key]} and {value}); only one "
-                        "trick may"
-                    )
-                merged[key] = value
-                owners[(key, None)] = trick
-    return merged

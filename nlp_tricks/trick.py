@@ -46,7 +46,7 @@ unless the trick sets ``in_evaluation = False``; ``adjust_loss`` runs in trainin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ __all__ = [
     "LossContext",
     "DEFAULT_ORDER",
     "nested",
+    "merge_options",
 ]
 
 #: How the answers of several tricks to one hook combine.
@@ -408,3 +409,32 @@ def nested(contexts) -> Iterator[None]:
             if context is not None:
                 stack.enter_context(context)
         yield
+
+
+def merge_options(answers: list[tuple[Trick, dict]]) -> dict:
+    """The answers of several tricks to a ``merge`` hook, combined by the rule (:data:`RULES`)."""
+    merged: dict = {}
+    owners: dict[tuple[str, object], Trick] = {}
+    for trick, options in answers:
+        for key, value in (options or {}).items():
+            if isinstance(value, Mapping):
+                target = merged.setdefault(key, {})
+                for name, item in value.items():
+                    if name in target and target[name] != item:
+                        raise ValueError(
+                            f"{owners[(key, name)]!r} and {trick!r} both set {key}[{name!r}] ({target[name]} and "
+                            f"{item}); only one trick may"
+                        )
+                    target[name] = item
+                    owners[(key, name)] = trick
+            elif isinstance(value, (list, tuple)):
+                merged[key] = tuple(merged.get(key, ())) + tuple(value)
+            else:
+                if key in merged and merged[key] != value:
+                    raise ValueError(
+                        f"{owners[(key, None)]!r} and {trick!r} both set {key} ({merged[key]} and {value}); only one "
+                        "trick may"
+                    )
+                merged[key] = value
+                owners[(key, None)] = trick
+    return merged

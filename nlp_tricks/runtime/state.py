@@ -26,6 +26,8 @@ __all__ = [
     "checkpoint_trick_states",
     "legacy_state",
     "StateEntries",
+    "TrickStateView",
+    "restore_states",
 ]
 
 TRICKS_STATE_NAME = "tricks_state.safetensors"
@@ -141,3 +143,58 @@ class StateEntries:
                 "checkpoint was written without that trick)"
             )
         return None
+
+
+class TrickStateView(dict):
+    """``trainer.trick_state``: the trainer's own numbers over the tricks' logged ones, as a plain dict (it
+    serialises); what is written into it goes through to the trainer's own store."""
+
+    def __init__(self, own: dict, logged: dict):
+        super().__init__({**logged, **own})
+        self._own = own
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._own[key] = value
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._own.pop(key, None)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+def restore_states(checkpoint: str, holders: dict) -> dict:
+    """Load each state holder's entry of ``checkpoint``'s store into it (``holder.load_state_dict``) and return the
+    trainer's own numbers. A checkpoint written before the store: each holder's ``legacy_state(legacy)`` if it has
+    one, else its ``logged_state`` counters as ``trainer_state.json`` kept them."""
+    states = checkpoint_trick_states(checkpoint)
+    legacy = legacy_state(checkpoint) if states is None or TRAINER_ENTRY not in states else None
+    states = states or {}
+    own = dict((states.get(TRAINER_ENTRY) or {}).get("trick_state") or (legacy or {}).get("trick_state") or {})
+    for name, holder in holders.items():
+        state = states.get(name)
+        if state is None and legacy is not None:
+            state = _legacy_state_of(holder, legacy)
+        if state is not None:
+            holder.load_state_dict(state)
+    if legacy is not None:  # the trainer's own numbers are the counters no trick claims
+        for holder in holders.values():
+            for key in getattr(holder, "logged_state", ()):
+                own.pop(key, None)
+    return own
+
+
+def _legacy_state_of(holder, legacy: dict) -> dict | None:
+    if hasattr(holder, "legacy_state"):
+        return holder.legacy_state(legacy)
+    saved = legacy["trick_state"]
+    counters = {key: saved[key] for key in getattr(holder, "logged_state", ()) if key in saved}
+    return counters or None
