@@ -26,6 +26,9 @@ Features:
   recipe's own defaults (``RECIPE_DEFAULTS``, those of the BERT2BERT runs in docs/recipes.md) and full fine-tuning.
 - LoRA (``--peft lora``, causal LMs; Hu et al. 2021, https://arxiv.org/abs/2106.09685): ``--lora_r``,
   ``--lora_alpha``, ``--lora_dropout``, ``--lora_target_modules`` (names or ``all-linear``); only the adapter trains.
+  PEFT's variants: ``--lora_use_rslora`` (alpha / sqrt(r)), ``--lora_use_dora`` (DoRA's magnitude and direction),
+  ``--lora_init`` (``gaussian``, ``pissa``, ``pissa_niter_<n>``, ``olora``, ``orthogonal``); LoRA+ is the trick
+  flag ``--loraplus_lr_ratio``.
   When training ends the adapter is merged into the weights (``--merge_lora``, on by default), so ``--output_dir``
   holds a plain model and evaluation generates without the adapter; ``--merge_lora false`` saves the adapter alone.
   Checkpoints hold the adapter.
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +135,19 @@ DEMO_DEFAULTS = {
     "eval_strategy": "no",
     "per_device_eval_batch_size": 16,
 }
-LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
+LORA_DEFAULTS = {
+    "lora_r": 16,
+    "lora_alpha": 32.0,
+    "lora_dropout": 0.05,
+    "lora_target_modules": ["all-linear"],
+    "lora_init": "default",
+}
+LORA_SWITCHES = ("lora_use_rslora", "lora_use_dora")
+# --lora_init: PEFT's `init_lora_weights` values that need nothing but the model (not eva / corda / loftq, which take
+# data or a quantization config); "default" is PEFT's True (Kaiming-uniform A, zero B).
+LORA_INITS = ("default", "gaussian", "pissa", "pissa_niter_<n>", "olora", "orthogonal")
+# These start the adapter from the model's principal directions and subtract them from its own weights.
+LORA_INITS_CHANGING_THE_MODEL = ("pissa", "olora")
 # --generation_max_length, unless given: this percentile of the training summaries' lengths in tokens (EOS included).
 GENERATION_LENGTH_PERCENTILE = 99
 
@@ -242,6 +258,31 @@ class SummarizationModelArguments(ModelArguments):
             f"{' '.join(LORA_DEFAULTS['lora_target_modules'])})."
         },
     )
+    lora_use_rslora: bool = field(
+        default=False,
+        metadata={
+            "help": "--peft lora: rank-stabilised LoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732): the "
+            "update is scaled by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."
+        },
+    )
+    lora_use_dora: bool = field(
+        default=False,
+        metadata={
+            "help": "--peft lora: DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353): the adapted weight is a "
+            "trained magnitude per output times the direction W + BA (PEFT's use_dora; slower steps)."
+        },
+    )
+    lora_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "--peft lora: how the adapter starts (PEFT's init_lora_weights): 'default' (Kaiming-uniform A, "
+            "zero B: the model unchanged), 'gaussian', 'pissa' (Meng et al. 2024, https://arxiv.org/abs/2404.02948: "
+            "A and B from the weights' principal singular vectors, the rest left in the weights), 'pissa_niter_<n>' "
+            "(the same by a fast SVD of n iterations), 'olora' (Buyukakyuz 2024: from a QR decomposition) or "
+            "'orthogonal'. pissa and olora change the model's own weights, so they need --merge_lora (the default). "
+            "Default 'default'."
+        },
+    )
     merge_lora: bool = field(
         default=True,
         metadata={
@@ -253,9 +294,10 @@ class SummarizationModelArguments(ModelArguments):
     )
 
     def __post_init__(self):
-        lora_fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+        lora_fields = tuple(LORA_DEFAULTS)
         if self.peft == "none":
             given = [name for name in lora_fields if getattr(self, name) is not None]
+            given += [name for name in LORA_SWITCHES if getattr(self, name)]
             if given:
                 raise ValueError(f"{given[0]} applies to a LoRA adapter; add --peft lora (it is 'none')")
             return
@@ -270,6 +312,13 @@ class SummarizationModelArguments(ModelArguments):
             raise ValueError(f"lora_dropout={self.lora_dropout} is not allowed; it must be in [0, 1)")
         if not self.lora_target_modules or any(not name.strip() for name in self.lora_target_modules):
             raise ValueError("lora_target_modules: give at least one module name (e.g. q_proj v_proj) or all-linear")
+        if not re.fullmatch(r"default|gaussian|pissa|pissa_niter_\d+|olora|orthogonal", self.lora_init):
+            raise ValueError(f"lora_init={self.lora_init!r} is not allowed; choose one of {', '.join(LORA_INITS)}")
+        if self.lora_init.startswith(LORA_INITS_CHANGING_THE_MODEL) and not self.merge_lora:
+            raise ValueError(
+                f"lora_init={self.lora_init!r} moves the weights' principal part into the adapter, so an adapter "
+                "saved alone (--merge_lora false) would not fit the original model; keep --merge_lora true"
+            )
 
 
 def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tuple[Dataset, str]]:
@@ -639,6 +688,9 @@ def add_lora(model, model_args: SummarizationModelArguments):
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        use_rslora=model_args.lora_use_rslora,
+        use_dora=model_args.lora_use_dora,
+        init_lora_weights=True if model_args.lora_init == "default" else model_args.lora_init,
         task_type="CAUSAL_LM",
     )
     try:
