@@ -13,7 +13,8 @@ backward), ``optimizer.step`` and ``zero_grad``.
 - Memory: each case in a fresh process: the peak resident memory of two steps above the memory once the model and the
   trainer are built (the peak is reset there).
 - Time: all cases in this process, the median over interleaved rounds; ratios are medians of the per-round ratios
-  (``_timing.py``).
+  (``_timing.py``). With one thread (``--threads 1``, the default) the time is this process's CPU time, which other
+  jobs on the machine barely change; with more, wall time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 from _timing import paired_ratio, time_interleaved
@@ -100,13 +102,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 2 x 64 tokens, vocab 4,096, 2 rounds")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: CPU time is measured)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (for run_all.py)")
     parser.add_argument("--memory-of", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.memory_of:
         case, batch_size, length, vocab = args.memory_of
         print(measure_memory(case, int(batch_size), int(length), int(vocab)))
         return 0
+    clock = time.process_time if args.threads == 1 else time.perf_counter
     repeats = args.repeats or (2 if args.quick else 5)
     shapes, vocab = (QUICK_SHAPES, 4096) if args.quick else (SHAPES, 49152)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's nlp_tricks in the children
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         memory = {}
         for case in CASES:
             out = subprocess.run(
-                [sys.executable, __file__, "--memory-of", case, str(batch_size), str(length), str(vocab)],
+                [sys.executable, __file__, "--threads", str(args.threads), "--memory-of", case]
+                + [str(batch_size), str(length), str(vocab)],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
             memory[case] = float(out.stdout.strip().splitlines()[-1])
         with tempfile.TemporaryDirectory() as tmp:
             steps = {case: build_step(case, batch_size, length, vocab, tmp)[0] for case in CASES}
-            times = time_interleaved(steps, repeats)
+            times = time_interleaved(steps, repeats, clock)
             del steps
         shape = f"{batch_size} x {length}"
         for case in CASES:
@@ -146,7 +152,7 @@ def main(argv=None) -> int:
         return 0
     print(
         f"tiny Llama (vocab {vocab}), torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, "
-        f"median of {repeats} interleaved rounds"
+        f"{'CPU' if args.threads == 1 else 'wall'} time, median of {repeats} interleaved rounds"
     )
     print(
         "| case | peak MB above the model | memory / plain Trainer | median ms | time / plain Trainer | "

@@ -139,6 +139,7 @@ class TricksTrainer(DropInLosses, Trainer):
         self._step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
         self._context: LossContext | None = None  # the loss context of the micro-batch being trained
         self._lm_loss_path: str | None = None  # decided on first use (lm_loss_path)
+        self._loss_only = False  # inside a prediction step whose logits are not returned
         self._check_capabilities()
         # NEFTune: upstream's hook draws fresh noise at every forward, so a multi-pass step's passes would see other
         # noise than the clean pass they perturb; with such a trick the passes share one draw (runtime/passes.py).
@@ -367,8 +368,10 @@ class TricksTrainer(DropInLosses, Trainer):
             batch = LossBatch(inputs, labels, loss_labels, teacher_logits, num_items)
             batch = self.call_tricks("prepare_loss_batch", value=batch, training=training)
             context.batch = batch
-            # Training forwards of a causal LM with a loss trick on: the loss in chunks from the last hidden state.
-            head = self._lm_head(model) if lean == "chunked" and training and num_items is not None else None
+            # A causal LM with a loss trick on: the loss in chunks from the last hidden state, in training forwards
+            # and in evaluation forwards whose logits nobody reads.
+            chunk = lean == "chunked" and (training or self._loss_only)
+            head = self._lm_head(model) if chunk else None
             capture = HeadInputCapture(head) if head is not None else contextlib.nullcontext()
             with (
                 self.call_tricks("forward_context", batch, training=training),
@@ -412,9 +415,10 @@ class TricksTrainer(DropInLosses, Trainer):
         - ``"model"``: every loss trick off: the model gets its labels and computes its own loss, as under plain
           ``Trainer`` (fused kernels such as Liger's, ``logits_to_keep``, a model's own loss code then apply).
         - ``"chunked"``: a loss trick on (``loss_type``, ``label_smoothing_factor``, ``temperature``,
-          ``class_weights``): in training forwards the loss is computed from the last hidden state through the LM
-          head in chunks of tokens, skipping ignored positions, never holding the full logits; evaluation forwards
-          take it on the logits.
+          ``class_weights``), or ``chunked_lm_loss``: in training forwards (and evaluation forwards whose logits are
+          not returned) the loss is computed from the last hidden state through the LM head in chunks of tokens,
+          skipping ignored positions, never holding the full logits; other evaluation forwards take it on the
+          logits.
         - ``"logits"``: a trick that needs the full logits (:attr:`~nlp_tricks.Trick.needs_logits`: R-Drop, SMART,
           multi-sample dropout, scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
           override of a full-logits extension point (``compute_tricks_loss``, ``forward_for_loss``,
@@ -428,6 +432,7 @@ class TricksTrainer(DropInLosses, Trainer):
 
     def _decide_lm_loss_path(self) -> str:
         loss = self.get_trick(LossFunction)
+        chunked = getattr(self.args, "chunked_lm_loss", False)
         overridden = [
             name for name in _LOGITS_METHODS if getattr(type(self), name) is not getattr(TricksTrainer, name)
         ]
@@ -438,7 +443,7 @@ class TricksTrainer(DropInLosses, Trainer):
             or any(t.needs_logits for t in self.tricks)
         ):
             path = "logits"
-        elif (loss is None or loss.is_models_own_loss()) and self._forward_accepts_loss_kwargs:
+        elif (loss is None or loss.is_models_own_loss()) and self._forward_accepts_loss_kwargs and not chunked:
             path = "model"
         elif self.is_deepspeed_enabled or self.is_fsdp_enabled or self._lm_head(self.model) is None:
             path = "logits"
@@ -682,7 +687,13 @@ class TricksTrainer(DropInLosses, Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Upstream's step, with the logits passed through the tricks (a CRF's Viterbi paths as one-hot scores)."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        self._loss_only = prediction_loss_only  # the chunked loss needs no logits then
+        try:
+            loss, logits, labels = super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+            )
+        finally:
+            self._loss_only = False
         if self._implementers["adjust_predictions"] and logits is not None:
             first = logits[0] if isinstance(logits, (tuple, list)) else logits
             first = self.call_tricks("adjust_predictions", inputs, value=first, training=False)

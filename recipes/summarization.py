@@ -134,6 +134,8 @@ DEMO_DEFAULTS = {
     "max_source_length": 256,
     "eval_strategy": "no",
     "per_device_eval_batch_size": 16,
+    "lora_dropout": 0.0,
+    "chunked_lm_loss": True,
 }
 LORA_DEFAULTS = {
     "lora_r": 16,
@@ -605,14 +607,17 @@ class PromptCompletionTrainer(TricksTrainer):
         inputs = dict(inputs)
         prompt_ids = inputs.pop("prompt_input_ids", None)
         prompt_mask = inputs.pop("prompt_attention_mask", None)
-        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
         if prediction_loss_only or prompt_ids is None or not getattr(self.args, "predict_with_generate", True):
+            loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
             return loss, None, None
+        prompt_ids, prompt_mask = prompt_ids.to(self.args.device), prompt_mask.to(self.args.device)
+        loss, prompt_cache = self._loss_and_prompt_cache(model, inputs, prompt_ids, prompt_mask)
         model = self.accelerator.unwrap_model(model)
         completions = generate_completions(
             model,
-            prompt_ids.to(self.args.device),
-            prompt_mask.to(self.args.device),
+            prompt_ids,
+            prompt_mask,
+            **prompt_cache,
             max_new_tokens=getattr(self.args, "generation_max_length", None) or 128,
             num_beams=getattr(self.args, "generation_num_beams", None) or 1,
             do_sample=False,
@@ -620,6 +625,45 @@ class PromptCompletionTrainer(TricksTrainer):
             pad_token_id=self.processing_class.pad_token_id,
         )
         return loss, completions, inputs["labels"].to(completions.device)
+
+    def _loss_and_prompt_cache(self, model, inputs: dict, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """The batch's loss from one forward over the left-padded prompts followed by their right-padded
+        completions, and that forward's key / value cache cut to the prompts (their last token left out, for
+        ``generate`` to start from): generation then skips its own pass over the prompts. The positions are counted
+        from each row's first token, as ``generate`` counts them, so the loss is the right-padded batch's (float
+        round-off) and the cache the one ``generate`` would build, as ``generate``'s keyword. ``(loss, {})`` where the
+        model's cache cannot be cut (generation then reads the prompts itself)."""
+        inputs = self._prepare_inputs(inputs)
+        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        prompt_lengths, lengths = prompt_mask.sum(1, keepdim=True), mask.sum(1, keepdim=True)
+        width = int((lengths - prompt_lengths).max())
+        index = prompt_lengths + torch.arange(width, device=ids.device)
+        present = index < lengths
+        index = index.clamp(max=ids.shape[1] - 1)
+        pad = self.processing_class.pad_token_id
+        completion = ids.gather(1, index).masked_fill(~present, pad)
+        completion_labels = labels.gather(1, index).masked_fill(~present, -100)
+        joint_mask = torch.cat([prompt_mask, present.long()], dim=1)
+        joint = {
+            "input_ids": torch.cat([prompt_ids, completion], dim=1),
+            "attention_mask": joint_mask,
+            "position_ids": (joint_mask.cumsum(1) - 1).clamp(min=0),
+            "labels": torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1),
+            "use_cache": True,
+        }
+        self._loss_only = True  # the loss's logits are not returned: a chunked loss may skip them
+        try:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                loss, outputs = self.compute_loss(model, joint, return_outputs=True)
+        finally:
+            self._loss_only = False
+        # Newer transformers name the outputs' and generate's `past_key_values` `cache`.
+        name = "cache" if isinstance(outputs, dict) and outputs.get("cache") is not None else "past_key_values"
+        cache = outputs.get(name) if isinstance(outputs, dict) else None
+        if cache is None or not hasattr(cache, "crop"):
+            return loss.detach().mean(), {}
+        cache.crop(prompt_ids.shape[1] - 1 - joint["input_ids"].shape[1])  # negative: the tokens to remove
+        return loss.detach().mean(), {name: cache}
 
 
 def check_causal_lm_arguments(training_args) -> None:

@@ -520,3 +520,38 @@ def test_chunked_loss_under_ddp_equals_one_process(ddp_run, tmp_path, name):
         assert torch.equal(rank0[key], rank1[key]), f"{name}: {key} differs between ranks"
         # Summation order differs (per-rank partial sums, then the all-reduce): float32 round-off only.
         torch.testing.assert_close(rank0[key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_chunked_lm_loss_with_tricks_off_equals_the_models_own_loss(tmp_path):
+    """`chunked_lm_loss`: cross-entropy in chunks instead of the model's own loss, the same loss and gradients."""
+    base = llama_lm()
+    batch = _batch(causal_lm_data())
+    n = torch.tensor(int(_shifted(batch["labels"]).ne(-100).sum()))
+    ref = copy.deepcopy(base)
+    want = ref(**batch, num_items_in_batch=n).loss
+    want.backward()
+    model = copy.deepcopy(base).train()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, chunked_lm_loss=True))
+    assert trainer.lm_loss_path == "chunked"
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)  # float32 sums in another order
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_evaluation_chunks_only_when_no_logits_are_returned(tmp_path):
+    """A prediction step that returns the loss only takes it in chunks (a mean over the batch, as on the full
+    logits); one that returns predictions gets the model's full logits."""
+    model = llama_lm().eval()
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"))
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    valid = int(_shifted(batch["labels"]).ne(-100).sum())
+    want = _focal_sum(logits[:, :-1], _shifted(batch["labels"])) / valid
+    loss, none, _ = trainer.prediction_step(model, batch, prediction_loss_only=True)
+    assert none is None
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss, predicted, _ = trainer.prediction_step(model, batch, prediction_loss_only=False)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(predicted, logits)

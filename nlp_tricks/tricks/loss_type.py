@@ -57,6 +57,16 @@ class LossArguments:
         metadata={"help": "Divide the logits by this temperature (> 0) before any loss. 1.0 leaves them as they are."},
     )
 
+    chunked_lm_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Causal LMs with every loss trick off: compute the cross-entropy from the last hidden state "
+            "through the LM head in chunks of tokens, skipping ignored positions (as a loss trick does), instead of "
+            "the model's own loss on the full logits. It never holds the (tokens, vocab) logits and skips the head's "
+            "work on prompt and padding tokens; fused kernels of the model's own loss (use_liger_kernel) then do "
+            "not run. See docs/decoder_only.md."
+        },
+    )
     class_weights: list[str] | None = field(
         default=None,
         metadata={
