@@ -176,9 +176,10 @@ def test_the_default_model_brings_the_demo_defaults_and_others_keep_the_recipes(
     assert (model.lora_r, model.lora_alpha, model.lora_dropout, model.lora_target_modules) == (
         16,
         32.0,
-        0.05,
+        0.0,  # PEFT's default
         ["all-linear"],
     )
+    assert training.chunked_lm_loss
     assert training.learning_rate == summarization.DEMO_DEFAULTS["learning_rate"]
     assert data.max_source_length == summarization.DEMO_DEFAULTS["max_source_length"]
     assert training.eval_strategy == "no" and training.generation_max_length is None  # from the data
