@@ -420,11 +420,11 @@ class TricksTrainer(DropInLosses, Trainer):
           skipping ignored positions, never holding the full logits; other evaluation forwards take it on the
           logits.
         - ``"logits"``: a trick that needs the full logits (:attr:`~nlp_tricks.Trick.needs_logits`: R-Drop, SMART,
-          multi-sample dropout, scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
+          scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
           override of a full-logits extension point (``compute_tricks_loss``, ``forward_for_loss``,
           ``head_samples``, ``labels_for_logits``), DeepSpeed / FSDP (the head's weight is sharded outside the
           forward), a head that is not a plain ``nn.Linear``, or a model whose logits are not the head's output as
-          it is (soft-capping, scaling: found on its first training forward): today's pipeline on the full logits.
+          it is (soft-capping, scaling: checked on every chunked forward): the pipeline on the full logits.
         """
         if self._lm_loss_path is None and self.loss_shifts_labels:
             self._lm_loss_path = self._decide_lm_loss_path()
