@@ -19,7 +19,9 @@ _moved.install()  # old import paths of moved modules (nlp_tricks.losses, ...) k
 _EXPORTS = {
     "TricksArguments": ".config",
     "TricksTrainer": ".trainer",
-    "Trick": ".tricks",
+    "TricksConfig": ".config",
+    "Trick": ".trick",
+    "HOOK_RULES": ".trick",
     "focal_loss": ".functional.losses",
     "label_smoothing_cross_entropy": ".functional.losses",
     "cross_entropy": ".functional.losses",
@@ -40,7 +42,9 @@ _EXPORTS = {
 __all__ = [
     "TricksArguments",
     "TricksTrainer",
+    "TricksConfig",
     "Trick",
+    "HOOK_RULES",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -72,7 +76,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .config import TricksArguments
+    from .config import TricksArguments, TricksConfig
     from .functional.adversarial import AWP, FGM, PGD, FreeLB
     from .functional.losses import (
         FocalLoss,
@@ -86,4 +90,4 @@ if TYPE_CHECKING:
     from .runtime.checkpoint import load_state_dict_portable
     from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer
-    from .tricks import Trick
+    from .trick import HOOK_RULES, Trick

@@ -189,7 +189,16 @@ class TricksTrainer(DropInLosses, Trainer):
         self.call_tricks("setup")
 
     def _check_capabilities(self) -> None:
-        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP."""
+        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP or its
+        optimizer (one that updates the weights inside backward cannot take several backwards per step)."""
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        for trick in self.tricks:
+            if trick.extra_backwards and optim in ("lomo", "adalomo"):
+                setting = (trick.summary() or [repr(trick)])[0]
+                raise ValueError(
+                    f"{setting} runs several backward passes per step, but optim={optim!r} updates the weights inside "
+                    "backward; choose another optimizer"
+                )
         engines = (("deepspeed", "DeepSpeed", "is_deepspeed_enabled"), ("fsdp", "FSDP", "is_fsdp_enabled"))
         for flag, engine, attribute in engines:
             if not getattr(self, attribute, False):
