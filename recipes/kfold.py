@@ -231,6 +231,15 @@ def run_jobs(jobs: list[FoldJob], workers: int, run=run_fold) -> list[dict]:
         return list(pool.map(one, jobs))
 
 
+def train_runtime(folder: Path) -> float | None:
+    """The Trainer's own training time (``train_runtime``, its last log entry) of the run saved in ``folder``."""
+    state = folder / "trainer_state.json"
+    if not state.is_file():
+        return None
+    logged = [e["train_runtime"] for e in json.loads(state.read_text()).get("log_history", []) if "train_runtime" in e]
+    return logged[-1] if logged else None
+
+
 def invalidate(run_dir: Path) -> None:
     """Forget that the run in ``run_dir`` finished (its data changed): it runs again."""
     (run_dir / "ablation_run.json").unlink(missing_ok=True)
@@ -411,7 +420,10 @@ class KFold:
                 "oof_samples": len(self.train),
                 "label_list": labels,
                 "data_files": self.sources,
+                # Whole fold processes (loading included), and their Trainer's training loops alone.
                 "fold_train_seconds": [record["wall_seconds"] for record in records],
+                "fold_train_runtime": [record["results"].get("train_runtime") for record in records],
+                "train_runtime": float(sum(record["results"].get("train_runtime") or 0.0 for record in records)),
                 "train_seconds": float(sum(record["wall_seconds"] for record in records)),
                 "predict_seconds": predicted["elapsed"],
                 "test_predict_seconds": predicted["seconds"]["test"],
@@ -541,6 +553,7 @@ class KFold:
             "train_loss": metrics.get("train_loss"),
             "train_samples": len(dataset),
             "train_seconds": train_seconds,
+            "train_runtime": train_runtime(folder),
             "distill_temperature": training_args.distill_temperature,
             "distill_alpha": training_args.distill_alpha,
             "soft_targets": "training examples: out-of-fold; unlabelled: the ensemble's",
@@ -602,7 +615,9 @@ class KFold:
             results["rounds"] = earlier
         if self.args.distill:
             student = self.train_student(predicted)
-            results.update({f"student_{k}": v for k, v in student.items() if k.startswith("test_") or "seconds" in k})
+            results.update(
+                {f"student_{k}": v for k, v in student.items() if k.startswith("test_") or k.startswith("train_")}
+            )
         write_json_atomic(self.out / "all_results.json", results)
         return results
 

@@ -7,7 +7,10 @@ would run it); the ``slow`` ones run ``python recipes/kfold.py`` with its subpro
 
 import csv
 import json
+import os
 import runpy
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipe_helpers import TEST_CONLL, TRAIN_CONLL, run_in_process, write_csv
+from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
 
 import kfold
 from ablation import finished_record
@@ -48,10 +51,8 @@ def run_here(job: kfold.FoldJob) -> dict:
     if record is not None:
         return record
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    argv, sys.argv = (
-        sys.argv,
-        [job.script, "--output_dir", str(job.run_dir), "--overwrite_output_dir", "true", *job.flags],
-    )
+    command = [job.script, "--output_dir", str(job.run_dir), "--overwrite_output_dir", "true", *job.flags]
+    argv, sys.argv = sys.argv, command
     try:
         runpy.run_path(job.script, run_name="__main__")
     except SystemExit as exit_:
@@ -119,7 +120,7 @@ def check_oof_coverage(out: Path, folds: int) -> list[int]:
     (the file that model's own run recorded as its training data)."""
     ids = read_ids(out / "data" / "train.jsonl")
     fold_of = json.loads((out / "folds.json").read_text())["fold_of_example"]
-    assert sorted(fold_of) == sorted(fold_of) and len(fold_of) == len(ids)
+    assert set(fold_of) == set(range(folds)) and len(fold_of) == len(ids)
     held = {}
     for k in range(folds):
         heldout = read_ids(out / "data" / f"fold{k}_heldout.jsonl")
@@ -165,8 +166,9 @@ def test_kfold_classification_files_numbers_and_ensemble_folder(tiny_model, tmp_
     assert [(r["text"], r["label"]) for r in oof] == CLS_TRAIN
     for k in range(3):
         single = tmp_path / f"single{k}"
+        heldout = out / "data" / f"fold{k}_heldout.jsonl"
         args = ["--model_name_or_path", str(out / f"fold{k}"), "--do_train", "false", "--output_dir", str(single),
-                "--train_file", str(tmp_path / "train.csv"), "--test_file", str(out / "data" / f"fold{k}_heldout.jsonl"),
+                "--train_file", str(tmp_path / "train.csv"), "--test_file", str(heldout),
                 "--per_device_eval_batch_size", "2"]  # fmt: skip
         assert run_in_process("classification", args, monkeypatch) == 0
         alone = [r["predicted"] for r in read_csv_rows(single / "test_predictions.csv")]
@@ -358,9 +360,8 @@ def test_kfold_pseudo_labels_leak_rule_and_student(tiny_model, tmp_path):
             assert record["ner_tags"] == [labels[y] for y in best_path(rows, *scores)]
     # The student: one model on all the training data and the unlabelled text, without a CRF, scored on test.
     student = out / "student"
-    assert (student / "model.safetensors").is_file() and not json.loads((student / "config.json").read_text()).get(
-        "crf"
-    )
+    assert (student / "model.safetensors").is_file()
+    assert not json.loads((student / "config.json").read_text()).get("crf")
     student_results = json.loads((student / "all_results.json").read_text())
     assert student_results["train_samples"] == 6 + len(unlabeled)
     for key, value in seqeval_scores(student / "test_predictions.txt").items():
@@ -402,14 +403,8 @@ def test_kfold_refuses_flags_that_contradict_it(tmp_path, capsys):
 def test_strip_flags_removes_the_runners_flags_and_their_values():
     flags = ["--train_file", "a.csv", "--max_steps", "2", "--tag_names", "O", "B-X", "--output_dir=o", "--seed", "3",
              "--overwrite_output_dir", "--learning_rate", "-1e-3"]  # fmt: skip
-    assert kfold.strip_flags(flags, kfold.RUNNER_FLAGS) == [
-        "--max_steps",
-        "2",
-        "--seed",
-        "3",
-        "--learning_rate",
-        "-1e-3",
-    ]
+    kept = ["--max_steps", "2", "--seed", "3", "--learning_rate", "-1e-3"]
+    assert kfold.strip_flags(flags, kfold.RUNNER_FLAGS) == kept
 
 
 def test_run_jobs_gives_each_concurrent_job_its_own_gpu(monkeypatch):
@@ -429,3 +424,60 @@ def test_run_jobs_gives_each_concurrent_job_its_own_gpu(monkeypatch):
     assert len(kfold.run_jobs(jobs, 2, fake_run)) == 6
     assert sorted(set(seen)) == ["0", "1"]
     assert all("CUDA_VISIBLE_DEVICES" not in job.env for job in jobs)  # the plan itself is left as it was
+
+
+@pytest.mark.slow
+def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
+    """The real runner: subprocess jobs. Killed after its first fold finished, a rerun trains only the other fold;
+    the killed run left no results that look finished."""
+    (tmp_path / "train.conll").write_text(NER_TRAIN)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    out = tmp_path / "kf"
+    command = [sys.executable, str(ROOT / "recipes" / "kfold.py"), "--recipe", "ner", "--folds", "2", "--output_dir",
+               str(out), "--", *tiny_flags(tiny_model), "--train_file", str(tmp_path / "train.conll"), "--test_file",
+               str(tmp_path / "test.conll")]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not (out / "fold0" / "ablation_run.json").is_file():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first fold finished"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "all_results.json").exists() and not (out / "kfold_ensemble.json").exists()
+    first_fold = (out / "fold0" / "ablation_log.txt").stat().st_mtime_ns
+    again = subprocess.run([*command[:2], "--jobs", "2", *command[2:]], cwd=ROOT, env=env(), capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    started = [line for line in again.stdout.splitlines() if line.startswith("[ablation] ")]
+    assert len(started) == 1 and str(out / "fold1") in started[0]
+    assert (out / "fold0" / "ablation_log.txt").stat().st_mtime_ns == first_fold
+    results = json.loads((out / "all_results.json").read_text())
+    for key, value in seqeval_scores(out / "oof_predictions.txt").items():
+        assert results[f"oof_{key}"] == pytest.approx(value, abs=1e-12)
+    assert len(results["fold_test_f1"]) == 2 and results["fold_train_seconds"][1] > 0
+
+
+@pytest.mark.slow
+def test_kfold_evidence_tiny_end_to_end(tiny_model, tmp_path):
+    """`recipes/kfold_evidence.py`: the four systems per seed, each row's metric the mean of its test predictions
+    rescored, the single model's difference from itself 0."""
+    (tmp_path / "train.conll").write_text(NER_TRAIN + "\nMary B-PER\nworks O\nat O\nAcme B-ORG\n")
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    out = tmp_path / "ev"
+    command = [sys.executable, str(ROOT / "recipes" / "kfold_evidence.py"), "--recipe", "ner", "--seeds", "1",
+               "--folds", "2", "--jobs", "2", "--unlabeled_fraction", "0.4", "--resamples", "200", "--output_dir",
+               str(out), "--", *tiny_flags(tiny_model), "--train_file", str(tmp_path / "train.conll"), "--test_file",
+               str(tmp_path / "test.conll")]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "kfold_evidence.json").read_text())
+    assert [row["system"] for row in report["rows"]] == ["single", "ensemble", "ensemble + pseudo-labels", "student"]
+    assert report["data"]["labelled"] == 4 and report["data"]["unlabeled"] == 3
+    for row in report["rows"]:
+        folders = [seed["folders"][row["system"]] for seed in report["seeds"]]
+        f1s = [seqeval_scores(Path(folder) / "test_predictions.txt")["f1"] for folder in folders]
+        assert row["metric"] == pytest.approx(np.mean(f1s), abs=1e-12)
+        assert row["train_seconds"] > 0 and row["test_predict_seconds"] > 0
+    assert report["rows"][0]["difference"]["value"] == 0.0
+    assert "| ensemble + pseudo-labels |" in (out / "kfold_evidence.md").read_text()
