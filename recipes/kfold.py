@@ -259,8 +259,9 @@ class KFold:
         self.run = run
         self.fold_flags = strip_flags(recipe_flags, RUNNER_FLAGS)
         self.rounds = args.pseudo_label_rounds if args.unlabeled_file else 0
+        # This process reads the data, predicts and trains the student: --max_time is each fold process's budget.
         self.data_args, self.model_args, self.training_args = task.parse(
-            strip_flags(recipe_flags, ("output_dir",)) + ["--output_dir", str(self.out)]
+            strip_flags(recipe_flags, ("output_dir", "max_time")) + ["--output_dir", str(self.out)]
         )
         self.env = job_environment(args.jobs)
 
@@ -297,10 +298,13 @@ class KFold:
         if self.test is not None:
             test_records = [example_record(task, ex, data_args, f"test{i}") for i, ex in enumerate(self.test)]
             self.test_changed = write_if_changed(self.data_dir / "test.jsonl", jsonl_text(test_records))
-        for fold in range(k):
+        # A fold whose held-out part changed is run again too: its eval_ numbers score that part.
+        self.heldout_changed = [
             write_if_changed(
                 self.data_dir / f"fold{fold}_heldout.jsonl", jsonl_text([records[i] for i in self.heldout[fold]])
             )
+            for fold in range(k)
+        ]
         from common import write_json_atomic
 
         write_json_atomic(
@@ -334,7 +338,8 @@ class KFold:
         name = f"fold{fold}_train.jsonl" if r == 0 else f"round{r}_fold{fold}_train.jsonl"
         train_file = self.data_dir / name
         run_dir = self.round_dir(r) / f"fold{fold}"
-        if write_if_changed(train_file, jsonl_text(own + pseudo)) or self.test_changed:
+        changed = write_if_changed(train_file, jsonl_text(own + pseudo))
+        if changed or self.test_changed or self.heldout_changed[fold]:
             invalidate(run_dir)
         recipe_file = str(Path(self.task.recipe.__file__).resolve())
         return FoldJob(r, fold, recipe_file, run_dir, self.fold_flags + self.data_flags(train_file, fold), self.env)
@@ -579,7 +584,7 @@ class KFold:
 
     @property
     def student_flags(self) -> list[str]:
-        flags = strip_flags(self.fold_flags, ("crf", "crf_bio_constraints", "crf_lr_scale"))
+        flags = strip_flags(self.fold_flags, ("crf", "crf_bio_constraints", "crf_lr_scale", "max_time"))
         flags += ["--train_file", str(self.data_dir / "train.jsonl"), "--output_dir", str(self.out / "student")]
         flags += ["--eval_strategy", "no"]  # no validation data: the student is scored once, on test
         if self.test is not None:
@@ -596,6 +601,10 @@ class KFold:
         from common import write_json_atomic
 
         self.prepare()
+        # What an earlier run left that would look like this run's results (or a usable ensemble) goes first.
+        for r in range(self.rounds + 1):
+            for name in ("all_results.json", "kfold_ensemble.json"):
+                (self.round_dir(r) / name).unlink(missing_ok=True)
         if self.args.distill:
             self.task.parse(self.student_flags)  # the student's flags are checked before any fold trains
         pseudo: list[list[dict]] = [[] for _ in range(self.args.folds)]
@@ -695,7 +704,6 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
         parser.error(
             "--distill true: the student learns soft targets (teacher_logits), which --class_weights do not weigh"
         )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # this process predicts with one model at a time
 
     try:
         kfold = KFold(args, TASKS[args.recipe], recipe_flags, run)

@@ -18,11 +18,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
+from nlp_tricks import _upstream
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
 
 import kfold
 from ablation import finished_record
+
+needs_crf_loading = pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 
 CLS_TRAIN = [
     ("the cat sat on the mat", "animal"),
@@ -212,23 +220,22 @@ def test_kfold_classification_files_numbers_and_ensemble_folder(tiny_model, tmp_
     again = json.loads((predicted / "all_results.json").read_text())
     assert again["test_f1"] == results["test_f1"] and again["ensemble"]["members"] == ["fold0", "fold1", "fold2"]
 
-    # Resume: nothing is trained again; a fold whose record is gone (an interrupted run) is the only one rerun.
+    # Resume: a fold whose record is gone (an interrupted run) is the only one trained again.
     RAN.clear()
-    assert kfold.main(argv, run=run_here) == 0
-    assert RAN == []
     (out / "fold1" / "ablation_run.json").unlink()
     assert kfold.main(argv, run=run_here) == 0
     assert RAN == [out / "fold1"]
 
 
-def word_emissions(model_dir: Path, sentences: list[list[str]]):
-    """Each sentence's word emissions (first sub-token logits) and the CRF's scores of a saved fold model, computed
-    here one sentence at a time with the model's own tokenizer."""
-    from transformers import AutoTokenizer
+def word_emissions(model_dir: Path, sentences: list[list[str]], crf: bool = True):
+    """Each sentence's word emissions (first sub-token logits) and (``crf``) the CRF's scores of a saved fold model,
+    computed here one sentence at a time with the model's own tokenizer."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
 
     from nlp_tricks.crf import load_crf_model
 
-    model = load_crf_model(str(model_dir)).eval()
+    loader = load_crf_model if crf else AutoModelForTokenClassification.from_pretrained
+    model = loader(str(model_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rows = []
     for words in sentences:
@@ -240,6 +247,8 @@ def word_emissions(model_dir: Path, sentences: list[list[str]]):
             if word is not None and word not in first:
                 first[word] = position
         rows.append(np.stack([logits[first[w]] for w in range(len(words))]).astype(np.float64))
+    if not crf:
+        return rows, None
     start, transitions, end = (p.detach().double().numpy() for p in model.crf.potentials())
     return rows, (start, transitions, end)
 
@@ -267,6 +276,7 @@ def ner_columns(path: Path) -> list[list[tuple[str, str, str]]]:
     return sentences
 
 
+@needs_crf_loading
 def test_kfold_ner_crf_rule_vote_and_ensemble_folder(tiny_model, tmp_path, monkeypatch):
     (tmp_path / "train.conll").write_text(NER_TRAIN)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
@@ -326,6 +336,32 @@ def test_kfold_ner_crf_rule_vote_and_ensemble_folder(tiny_model, tmp_path, monke
     assert json.loads((out / "all_results.json").read_text())["ensemble_rule"].startswith("entity vote")
 
 
+def test_kfold_ner_without_crf_averages_word_probabilities(tiny_model, tmp_path):
+    """--crf false: per word, the mean of the fold models' softmax probabilities of its first sub-token (computed
+    here from each saved model), argmax; the numbers rescored with seqeval."""
+    (tmp_path / "train.conll").write_text(NER_TRAIN)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    out = tmp_path / "kf"
+    flags = tiny_flags(tiny_model, "--crf", "false")
+    argv = ["--recipe", "ner", "--folds", "2", "--output_dir", str(out), "--", *flags,
+            "--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]  # fmt: skip
+    assert kfold.main(argv, run=run_here) == 0
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["ensemble_rule"].startswith("mean of the folds' word probabilities")
+    check_oof_coverage(out, 2)
+    labels = results["label_list"]
+    test = ner_columns(out / "test_predictions.txt")
+    sentences = [[word for word, _, _ in sentence] for sentence in test]
+    members = [word_emissions(out / f"fold{k}", sentences, crf=False)[0] for k in range(2)]
+    for i, sentence in enumerate(test):
+        probabilities = sum(np.exp(m[i]) / np.exp(m[i]).sum(axis=1, keepdims=True) for m in members) / 2
+        assert [tag for _, _, tag in sentence] == [labels[j] for j in probabilities.argmax(axis=1)]
+    for prefix, path in (("oof", out / "oof_predictions.txt"), ("test", out / "test_predictions.txt")):
+        for key, value in seqeval_scores(path).items():
+            assert results[f"{prefix}_{key}"] == pytest.approx(value, abs=1e-12), (prefix, key)
+
+
+@needs_crf_loading
 def test_kfold_pseudo_labels_leak_rule_and_student(tiny_model, tmp_path):
     (tmp_path / "train.conll").write_text(NER_TRAIN)
     (tmp_path / "test.conll").write_text(TEST_CONLL)
