@@ -35,9 +35,10 @@ import sys
 import time
 from pathlib import Path
 
+import evidence
+
 from nlp_tricks.data import DataError, split_examples
 
-import evidence
 from ablation import run_one
 from ensemble_folder import TASKS
 from kfold import example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
