@@ -164,11 +164,6 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
-def read_ids(path: str | Path) -> list:
-    """The ``id`` of every record of a JSON-lines file the runner wrote."""
-    return [json.loads(line)["id"] for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 # ---- Jobs ---------------------------------------------------------------------------------------------------------
 
 
@@ -181,6 +176,10 @@ class FoldJob(NamedTuple):
     run_dir: Path
     flags: list[str]
     env: dict
+
+
+class FoldFailed(RuntimeError):
+    """A fold's run ended without results (its folder holds its log)."""
 
 
 def run_fold(job: FoldJob) -> dict:
@@ -612,7 +611,10 @@ class KFold:
         for r in range(self.rounds + 1):
             jobs = [self.fold_job(r, fold, pseudo[fold]) for fold in range(self.args.folds)]
             print(f"[kfold] round {r}: {len(jobs)} folds, {self.args.jobs} at a time", flush=True)
-            records = run_jobs(jobs, self.args.jobs, self.run)
+            try:
+                records = run_jobs(jobs, self.args.jobs, self.run)
+            except RuntimeError as err:  # ablation.run_one: the run's exit status and the end of its log
+                raise FoldFailed(str(err)) from err
             last = r == self.rounds
             predicted = self.predict_round(r, self.unlabeled is not None and (not last or self.args.distill))
             results = self.write_round(r, records, predicted, pseudo_stats)
@@ -713,7 +715,7 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
     except DataError as err:
         print(f"kfold: {err}", file=sys.stderr)
         return 1
-    except RuntimeError as err:  # a fold's run failed: its folder holds its log
+    except FoldFailed as err:
         print(f"kfold: {err}", file=sys.stderr)
         return 1
     metric = getattr(TASKS[args.recipe].recipe, "MAIN_METRIC", "f1")

@@ -517,3 +517,72 @@ def test_kfold_evidence_tiny_end_to_end(tiny_model, tmp_path):
         assert row["train_seconds"] > 0 and row["test_predict_seconds"] > 0
     assert report["rows"][0]["difference"]["value"] == 0.0
     assert "| ensemble + pseudo-labels |" in (out / "kfold_evidence.md").read_text()
+
+
+def _token_classifier(path: Path, labels: list[str], chars: bool) -> Path:
+    """An untrained tiny BERT token classifier over ``labels`` with a WordLevel tokenizer of whole words or, with
+    ``chars``, of single characters (every word splits into several sub-tokens)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForTokenClassification, PreTrainedTokenizerFast
+
+    from recipe_helpers import WORDS
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = sorted({c for w in WORDS for c in w}) if chars else WORDS
+    vocab = {tok: i for i, tok in enumerate(specials + pieces)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    split = [pre_tokenizers.Split(Regex("."), behavior="isolated")] if chars else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), *split])
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    ).save_pretrained(path)  # fmt: skip
+    torch.manual_seed(1 if chars else 2)
+    config = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)},
+    )  # fmt: skip
+    BertForTokenClassification(config).save_pretrained(path)
+    return path
+
+
+def test_ensemble_folder_of_models_with_different_tokenizers(tmp_path, monkeypatch):
+    """NER members that cut words into different sub-tokens are averaged word by word (each word's first sub-token
+    under each member's own tokenizer), through ner.py and a manifest naming them."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from ensemble_folder import write_manifest
+
+    labels = ["B-LOC", "B-ORG", "B-PER", "O"]
+    folder = tmp_path / "ensemble"
+    _token_classifier(folder / "words", labels, chars=False)
+    _token_classifier(folder / "chars", labels, chars=True)
+    write_manifest(folder, "ner", ["words", "chars"], labels, None)
+    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    out = tmp_path / "predicted"
+    args = ["--model_name_or_path", str(folder), "--do_train", "false", "--test_file", str(tmp_path / "test.conll"),
+            "--output_dir", str(out), "--per_device_eval_batch_size", "2"]  # fmt: skip
+    assert run_in_process("ner", args, monkeypatch) == 0
+    predicted = ner_columns(out / "test_predictions.txt")
+    firsts = []
+    probabilities = [0.0] * len(predicted)
+    for member in ("words", "chars"):
+        model = AutoModelForTokenClassification.from_pretrained(folder / member).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder / member)
+        for i, sentence in enumerate(predicted):
+            encoding = tokenizer([w for w, _, _ in sentence], is_split_into_words=True, return_tensors="pt")
+            with torch.no_grad():
+                logits = model(**encoding).logits[0].double()
+            word_ids = encoding.word_ids()
+            first = [word_ids.index(w) for w in range(len(sentence))]
+            firsts.append(first)
+            probabilities[i] = probabilities[i] + torch.softmax(logits[first], dim=-1).numpy() / 2
+    assert firsts[0] != firsts[len(predicted)]  # the two tokenizers put the words' first sub-tokens elsewhere
+    for sentence, p in zip(predicted, probabilities):
+        assert [tag for _, _, tag in sentence] == [labels[j] for j in p.argmax(axis=1)]
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["test_f1"] == pytest.approx(seqeval_scores(out / "test_predictions.txt")["f1"], abs=1e-12)
