@@ -509,6 +509,10 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
         raise DataError(
             None, None, f"--model_name_or_path {folder} is a k-fold ensemble: it predicts; add --do_train false"
         )
+    if getattr(data_args, "multi_label", False):
+        raise DataError(
+            None, None, f"--model_name_or_path {folder}: a single-label k-fold ensemble; drop --multi_label"
+        )
     manifest = read_manifest(folder, recipe)
     labels = manifest["labels"]
     out = Path(training_args.output_dir)

@@ -470,8 +470,8 @@ def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
     (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "kf"
     command = [sys.executable, str(ROOT / "recipes" / "kfold.py"), "--recipe", "ner", "--folds", "2", "--output_dir",
-               str(out), "--", *tiny_flags(tiny_model), "--train_file", str(tmp_path / "train.conll"), "--test_file",
-               str(tmp_path / "test.conll")]  # fmt: skip
+               str(out), "--", *tiny_flags(tiny_model, "--crf", "false"), "--train_file",
+               str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]  # fmt: skip
     proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # fmt: skip
     deadline = time.time() + 300
@@ -503,8 +503,8 @@ def test_kfold_evidence_tiny_end_to_end(tiny_model, tmp_path):
     out = tmp_path / "ev"
     command = [sys.executable, str(ROOT / "recipes" / "kfold_evidence.py"), "--recipe", "ner", "--seeds", "1",
                "--folds", "2", "--jobs", "2", "--unlabeled_fraction", "0.4", "--resamples", "200", "--output_dir",
-               str(out), "--", *tiny_flags(tiny_model), "--train_file", str(tmp_path / "train.conll"), "--test_file",
-               str(tmp_path / "test.conll")]  # fmt: skip
+               str(out), "--", *tiny_flags(tiny_model, "--crf", "false"), "--train_file",
+               str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "kfold_evidence.json").read_text())
