@@ -20,6 +20,8 @@ scored on the recipe's test split. Per seed s (``--seed s`` for every run):
 Costs: training seconds (the Trainer's ``train_runtime``, a system's training loops one after the other: the
 ensemble's K folds summed, pseudo-labels adding the second round, the student adding its own training to all of
 that) and test prediction seconds (the ensemble: all K models); the JSON also holds whole-process wall times.
+Folds trained at the same time (``--jobs`` > 1) share the machine and slow each other's loops: time with
+``--jobs 1`` (or one GPU per job).
 Finished runs are not rerun (the runners' own resume), so an interrupted evidence run resumes.
 
 Writes ``kfold_evidence.md`` (the table) and ``kfold_evidence.json`` (every number, every run).
