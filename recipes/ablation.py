@@ -114,8 +114,10 @@ def finished_record(run_dir: Path, flags: list[str]) -> dict | None:
     return None
 
 
-def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
-    """Run ``script`` once (unless it finished with these flags); return its results plus time and memory."""
+def run_one(script: str, run_dir: Path, flags: list[str], env: dict | None = None) -> dict:
+    """Run ``script`` once (unless it finished with these flags); return its results plus time and memory.
+
+    ``env``: the run's environment (default this process's; recipes/kfold.py gives each job its threads and GPU)."""
     results_path = run_dir / "all_results.json"
     record_path = run_dir / "ablation_run.json"
     record = finished_record(run_dir, flags)
@@ -129,7 +131,7 @@ def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
     print(f"[ablation] {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(run_dir / "ablation_log.txt", "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start

@@ -90,6 +90,7 @@ from common import (
     train_evaluate_predict,
     warn,
 )
+from ensemble_folder import predict_with_ensemble
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -536,6 +537,8 @@ def prepare_data(data_args: ClassificationDataArguments, tokenizer):
 
 
 def main() -> None:
+    if predict_with_ensemble("classification"):  # --model_name_or_path is a k-fold ensemble folder (recipes/kfold.py)
+        return
     data_args, model_args, training_args = parse_recipe_args(
         RECIPE_ARGUMENT_TYPES,
         "classification",

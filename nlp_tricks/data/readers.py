@@ -709,6 +709,46 @@ def kfold_examples(
     return _take(examples, rest[n_validation:]), _take(examples, rest[:n_validation]), _take(examples, test)
 
 
+def kfold_assignment(num_examples: int, num_folds: int, seed: int = 42, stratify: Sequence | None = None) -> list[int]:
+    """The fold (0 .. ``num_folds`` - 1) of each of ``num_examples`` examples, deterministic: every example is in
+    exactly one fold, and the folds differ in size by at most one.
+
+    The examples are shuffled once with ``seed``. Without ``stratify``, example ``i`` of that order is in fold
+    ``i % num_folds`` (the folds of :func:`kfold_examples`). With ``stratify`` (one label per example), the shuffled
+    examples are dealt to the folds class by class (classes in sorted order, one counter across them), so each fold
+    holds each class's share to within one example. Raises ``ValueError`` when there are fewer examples than folds,
+    or (stratified) a class with fewer examples than folds, naming it.
+    """
+    if int(num_folds) != num_folds or num_folds < 2:
+        raise ValueError(f"num_folds={num_folds} is not allowed; it must be an integer >= 2")
+    if num_examples < num_folds:
+        raise ValueError(f"{num_examples} examples for {num_folds} folds; every fold needs at least one example")
+    order = list(range(num_examples))
+    random.Random(seed).shuffle(order)
+    folds = [0] * num_examples
+    if stratify is None:
+        for i, j in enumerate(order):
+            folds[j] = i % num_folds
+        return folds
+    if len(stratify) != num_examples:
+        raise ValueError(f"{len(stratify)} labels to stratify by for {num_examples} examples")
+    by_class: dict = {}
+    for j in order:
+        by_class.setdefault(stratify[j], []).append(j)
+    for label in sorted(by_class, key=str):
+        if len(by_class[label]) < num_folds:
+            raise ValueError(
+                f"class {label!r} has {len(by_class[label])} examples, fewer than the {num_folds} folds; every fold "
+                "needs one to stratify"
+            )
+    counter = 0
+    for label in sorted(by_class, key=str):
+        for j in by_class[label]:
+            folds[j] = counter % num_folds
+            counter += 1
+    return folds
+
+
 def _take(examples: Sequence, indices: list[int]):
     """The examples at ``indices`` in that order: a list, or of a dataset a dataset (its ``select``)."""
     if hasattr(examples, "select") and hasattr(examples, "column_names"):
