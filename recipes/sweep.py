@@ -62,6 +62,16 @@ class RunFailed(RuntimeError):
         self.wall = wall
 
 
+class Job(NamedTuple):
+    """A run of a sweep; the runners' own job types (``ablation.PlannedRun``, ``kfold.FoldJob``) carry these fields
+    and more. ``env``: the run's environment (None: this process's); the executor adds its threads and GPUs."""
+
+    script: str
+    run_dir: Path
+    flags: list[str]
+    env: dict | None = None
+
+
 class Outcome(NamedTuple):
     """One run of a sweep: its record (``ablation_run.json``), or None and why it failed."""
 
@@ -97,6 +107,7 @@ def run_one(
     env: dict | None = None,
     node: str | None = None,
     die_with_parent: bool = False,
+    where: str | None = None,
 ) -> dict:
     """Run ``script`` once (unless it finished with these flags); return its record: results, time, memory, node.
 
@@ -104,6 +115,7 @@ def run_one(
         env: the run's environment (default this process's; the executors give each run its threads and GPUs).
         node: where it runs, written into the record (default this machine's host name; Ray: the node id).
         die_with_parent: the run is killed when this process dies (Linux; the Ray backend's tasks).
+        where: how a failure names the place it ran (default ``node``).
     """
     run_dir = Path(run_dir)
     results_path = run_dir / "all_results.json"
@@ -131,7 +143,8 @@ def run_one(
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not results_path.is_file():
         tail = (run_dir / LOG).read_text(errors="replace").strip().splitlines()[-5:]
-        raise RunFailed(f"{run_dir}: the run failed (exit {proc.returncode}):\n" + "\n".join(tail), wall)
+        message = f"{run_dir}: the run failed (exit {proc.returncode}, on {where or node}); the end of its log:\n"
+        raise RunFailed(message + "\n".join(tail), wall)
     results = json.loads(results_path.read_text())
     state_path = run_dir / "trainer_state.json"
     steps = json.loads(state_path.read_text()).get("global_step") if state_path.is_file() else None
@@ -257,7 +270,7 @@ class Progress:
         self.bar = tqdm(
             total=total, initial=finished_before, unit="run", desc=label, file=sys.stderr, dynamic_ncols=True
         )
-        self.bar.set_postfix_str(f"{total - finished_before} left", refresh=True)
+        self.bar.set_postfix_str(f"{total - finished_before} left", refresh=False)
 
     def name(self, job) -> str:
         try:
@@ -276,8 +289,8 @@ class Progress:
             eta = f", about {_duration(estimate)} left" if left else ""
             self.write(f"[sweep] {self.name(job)}: {what}{place} ({self.done}/{self.total} done, {left} left{eta})")
             sys.stdout.flush()
+            self.bar.set_postfix_str(f"{left} left", refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{left} left", refresh=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -376,7 +389,7 @@ class LocalExecutor:
         return env
 
     def run(self, jobs: list, out: Path, metric: str | None = None, label: str = "sweep") -> list[Outcome]:
-        """Every job (``script``, ``run_dir``, ``flags``, ``env``); an :class:`Outcome` each, in ``jobs``' order."""
+        """Every job (a NamedTuple with :class:`Job`'s fields); an :class:`Outcome` each, in ``jobs``' order."""
         outcomes: list[Outcome | None] = [None] * len(jobs)
         todo = []
         for i, job in enumerate(jobs):
@@ -398,7 +411,7 @@ class LocalExecutor:
                 run_job = job._replace(env=self.environment(job, slot))
                 outcomes[i] = Outcome(job, self.run_fn(run_job))
             except RunFailed as err:
-                outcomes[i] = Outcome(job, None, f"{err} (on {socket.gethostname()})")
+                outcomes[i] = Outcome(job, None, str(err))
             finally:
                 if slot is not None:
                     slots.put(slot)
@@ -470,14 +483,31 @@ def run_on_node(script: str, run_dir: str, flags: list[str], env: dict, cwd: str
     if refused:
         return {"refused": refused, "where": where}
     env = {**env, **{key: os.environ[key] for key in NODE_VARIABLES if key in os.environ}}
+    if not ray.get_runtime_context().get_accelerator_ids().get("GPU"):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a task without GPUs: Ray leaves the variable alone, the run sees none
     start = time.perf_counter()
     try:
-        record = run_one(script, Path(run_dir), flags, env=env, node=node, die_with_parent=True)
+        record = run_one(script, Path(run_dir), flags, env=env, node=node, die_with_parent=True, where=where)
     except RunFailed as err:
-        return {"error": f"{err} (on {where})", "where": where, "wall": err.wall}
+        return {"error": str(err), "where": where, "wall": err.wall}
     except OSError as err:
         return {"error": f"{run_dir}: {err} (on {where})", "where": where, "wall": time.perf_counter() - start}
     return {"record": record, "where": where}
+
+
+def _unreachable(address: str | None) -> str | None:
+    """Why nothing answers at a ``HOST:PORT`` address (Ray itself retries a wrong one for minutes), or None."""
+    if not address or address in ("auto", "local") or "://" in address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return "expected HOST:PORT (as `ray start --head` prints it), 'auto', or ray://HOST:PORT"
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as err:
+        reason = err.strerror or str(err)
+        return f"nothing answers there ({reason}); a cluster's head listens where `ray start --head --port {port}` ran"
+    return None
 
 
 class RayExecutor:
@@ -498,6 +528,9 @@ class RayExecutor:
 
         self.ray = ray
         self.address = address
+        unreachable = _unreachable(address)
+        if unreachable:
+            raise SweepError(f"--ray_address {address}: {unreachable}")
         try:
             # "local": a fresh instance for this sweep, never a cluster that happens to run here.
             ray.init(
@@ -507,7 +540,9 @@ class RayExecutor:
                 logging_level=logging.WARNING,
             )
         except (ConnectionError, ValueError, RuntimeError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            # Ray's own cause (a refused token, a version mismatch) says more than "failed to connect".
+            cause = err.__cause__ or err
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             raise SweepError(f"--ray_address {address}: no Ray cluster to connect to ({first})") from None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         has_gpus = any(n["Resources"].get("GPU", 0) > 0 for n in nodes)

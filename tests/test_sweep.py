@@ -5,8 +5,6 @@ progress lines, and the shared-storage check of the Ray backend (the Ray backend
 
 import re
 import sys
-from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
@@ -26,18 +24,11 @@ json.dump({'env': env, 'start': start, 'end': time.time(), 'test_f1': 0.25}, ope
 """
 
 
-class Job(NamedTuple):
-    script: str
-    run_dir: Path
-    flags: list[str]
-    env: dict | None = None
-
-
 def stand_in_jobs(tmp_path, n, fail=()):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     return [
-        Job(str(script), tmp_path / "out" / f"run{i}", ["--seed", str(i), *(["--fail"] if i in fail else [])])
+        sweep.Job(str(script), tmp_path / "out" / f"run{i}", ["--seed", str(i), *(["--fail"] if i in fail else [])])
         for i in range(n)
     ]
 
@@ -99,7 +90,7 @@ def test_local_backend_refuses_what_does_not_fit_and_hides_gpus_at_zero(tmp_path
         sweep.LocalExecutor(None, 0.3, gpus=["0"])
     with pytest.raises(sweep.SweepError, match="--gpus_per_run 1.5: a whole number"):
         sweep.LocalExecutor(None, 1.5, gpus=["0", "1"])
-    job = Job("x.py", tmp_path, [], {"OMP_NUM_THREADS": "2"})
+    job = sweep.Job("x.py", tmp_path, [], {"OMP_NUM_THREADS": "2"})
     # --gpus_per_run 0 where there are GPUs: the run sees none. No GPUs at all: CUDA_VISIBLE_DEVICES left alone.
     assert sweep.LocalExecutor(2, 0, gpus=["0"]).environment(job, None) == {
         "OMP_NUM_THREADS": "2",
@@ -117,7 +108,8 @@ def test_a_failed_run_loses_no_other(tmp_path, capsys):
     out = tmp_path / "out"
     outcomes = sweep.LocalExecutor(2, gpus=[]).run(jobs, out, "f1")
     assert [o.record is not None for o in outcomes] == [True, False, True]
-    assert "run1: the run failed (exit 3)" in outcomes[1].error and "something went wrong here" in outcomes[1].error
+    error = outcomes[1].error
+    assert f"run1: the run failed (exit 3, on {sweep.socket.gethostname()})" in error and "went wrong here" in error
     report = sweep.failure_report(outcomes, out)
     assert report.startswith("1 of 3 runs failed") and "something went wrong here" in report
     assert (out / "failed_runs.txt").read_text() == report + "\n"
@@ -170,3 +162,18 @@ def test_executor_flags_are_checked_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     # A fold without a test split: the progress line shows its validation metric.
     assert sweep._metric_text({"results": {"eval_f1": 0.5}}, "f1") == ", eval_f1 0.5000"
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_at_once():
+    """Ray retries a wrong address for minutes; the executor asks the port first (no Ray needed for that)."""
+    import socket
+
+    from recipe_helpers import free_port
+
+    assert "nothing answers there" in sweep._unreachable(f"127.0.0.1:{free_port()}")
+    assert "expected HOST:PORT" in sweep._unreachable("head-node")
+    assert sweep._unreachable("auto") is None and sweep._unreachable(None) is None
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert sweep._unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
