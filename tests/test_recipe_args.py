@@ -80,7 +80,7 @@ def test_yaml_no_for_a_choice_flag_is_told_to_quote_it(tmp_path, capsys):
     assert info.value.code == 2
     line = last_error_line(capsys)
     assert line.startswith(f"ner.py: error: {config}: save_strategy: invalid choice: 'false' (choose from ")
-    assert line.endswith("; quote the value in the file ('no') (see ner.py --help)")
+    assert line.endswith("; YAML reads an unquoted no / yes / off / on as a boolean: quote it (see ner.py --help)")
 
 
 @pytest.mark.parametrize(

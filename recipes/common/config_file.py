@@ -115,8 +115,12 @@ def _converted(parser: argparse.ArgumentParser, where: str, value, action: argpa
         converted = parser._get_value(action, text)
         parser._check_value(action, converted)
     except argparse.ArgumentError as err:
-        # YAML reads an unquoted no / yes / off / on as a boolean, which no choice of a text flag is.
-        quote = "; quote the value in the file ('no')" if isinstance(value, bool) and action.choices else ""
+        # A choice flag's "no" written unquoted: YAML has read it as false, which no choice is.
+        quote = (
+            "; YAML reads an unquoted no / yes / off / on as a boolean: quote it"
+            if isinstance(value, bool) and action.choices
+            else ""
+        )
         parser.error(f"{where}: {err.message}{quote}")
     if value is None or isinstance(value, list | dict):
         # A text flag takes any text, but a list or a mapping is never one flag's single value.
