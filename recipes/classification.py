@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import (
@@ -82,11 +82,9 @@ from common import (
     load_splits,
     map_options,
     own_rows,
-    parse_recipe_args,
-    prepare_output_dir,
     refusals_of_the_model,
-    resume_argument,
     run_recipe,
+    start_recipe,
     train_evaluate_predict,
     warn,
 )
@@ -539,20 +537,13 @@ def prepare_data(data_args: ClassificationDataArguments, tokenizer):
 def main() -> None:
     if predict_with_ensemble("classification"):  # --model_name_or_path is a k-fold ensemble folder (recipes/kfold.py)
         return
-    data_args, model_args, training_args = parse_recipe_args(
+    data_args, model_args, training_args = start_recipe(
         RECIPE_ARGUMENT_TYPES,
         "classification",
         RECIPE_DEFAULTS,
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
         evidence_unless="multi_label",
-    )
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----

@@ -60,7 +60,6 @@ from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
     IntervalStrategy,
-    set_seed,
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
@@ -74,19 +73,15 @@ from common import (
     DataArguments,
     ModelArguments,
     check_label_arguments,
-    check_saved_crf,
     data_record,
     labelled_splits,
     load_classifier,
     load_splits,
     map_options,
     own_rows,
-    parse_recipe_args,
-    prepare_output_dir,
     refusals_of_the_model,
-    resume_argument,
     run_recipe,
-    saved_crf_defaults,
+    start_recipe,
     train_evaluate_predict,
     warn,
 )
@@ -589,21 +584,13 @@ def prepare_data(data_args: NerDataArguments, tokenizer):
 def main() -> None:
     if predict_with_ensemble("ner"):  # --model_name_or_path is a k-fold ensemble folder (recipes/kfold.py)
         return
-    data_args, model_args, training_args = parse_recipe_args(
+    data_args, model_args, training_args = start_recipe(
         RECIPE_ARGUMENT_TYPES,
         "ner",
         RECIPE_DEFAULTS,
-        dependent_defaults=saved_crf_defaults("model_name_or_path"),  # a model trained with --crf stays a CRF
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
-    )
-    check_saved_crf(training_args, model_args)
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
+        saved_crf_models=("model_name_or_path",),  # a model trained with --crf stays a CRF
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
