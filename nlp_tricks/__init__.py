@@ -29,6 +29,7 @@ _EXPORTS = {
     "PGD": ".adversarial",
     "AWP": ".adversarial",
     "FreeLB": ".adversarial",
+    "load_span_model": ".functional.spans",
 }
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "PGD",
     "AWP",
     "FreeLB",
+    "load_span_model",
 ]
 
 
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from .adversarial import AWP, FGM, PGD, FreeLB
     from .checkpoint import load_state_dict_portable
     from .config import TricksArguments
+    from .functional.spans import load_span_model
     from .losses import (
         FocalLoss,
         LabelSmoothingCrossEntropy,

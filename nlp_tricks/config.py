@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .adversarial import ADV_NORMS
+from .functional.spans import SPAN_HEADS
 from .pooling import POOLING_MODES
 from .scheduled_sampling import MODES, SCHEDULES
 from .tricks import validate_arguments
@@ -278,6 +279,52 @@ class TricksArguments(TrainingArguments):
         metadata={
             "help": "Forbid the transitions the BIO (IOB2) scheme does not allow, read from the label names: I-X only "
             "after B-X or I-X, never first. Needs crf."
+        },
+    )
+    # --- Span heads (GlobalPointer), replacing token tagging ---
+    span_head: str | None = field(
+        default=None,
+        metadata={
+            "help": "Named-entity recognition with a span head in place of the token classifier: 'global_pointer' "
+            "(Su 2021: a query / key of span_head_size per entity type) or 'efficient_global_pointer' (one shared "
+            "query / key plus a start / end bias per type: far fewer parameters with many types). It scores every "
+            "span of words for every type, so entities may nest; trained with the multilabel categorical "
+            "cross-entropy (one item per sentence and type), predicted as the spans scoring > 0. Labels are span "
+            "rows (nlp_tricks.data.spans.SpanCollator); the head is saved with the model (config.span_head), load "
+            "it with nlp_tricks.load_span_model. Default: token tagging.",
+            "choices": list(SPAN_HEADS),
+        },
+    )
+    span_head_size: int = field(
+        default=64, metadata={"help": "Query / key size D of the span head, >= 1 (even with span_head_rope)."}
+    )
+    span_head_rope: bool = field(
+        default=True,
+        metadata={
+            "help": "Rotary position encoding of the span head's queries and keys over word positions (the first "
+            "sub-token of each word), so a span's score sees its length in words."
+        },
+    )
+    span_flat: bool = field(
+        default=False,
+        metadata={
+            "help": "Predict flat entities: of the spans scoring > 0, the non-overlapping set with the highest total "
+            "score. Default: every span scoring > 0 (nested entities, one span with two types). Needs span_head."
+        },
+    )
+    span_head_lr_scale: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learning-rate multiplier (> 0) of the span head alone (learning_rate x this, no layer decay). "
+            "Default: the head's head_lr_scale."
+        },
+    )
+    span_head_max_words: int = field(
+        default=512,
+        metadata={
+            "help": "Longest sentence in words (>= 1) the span head accepts: its scores take batch x types x "
+            "words^2 floats (a batch of 16 sentences of 512 words with 10 types: 168 MB, several times that with "
+            "the loss and gradients). A longer sentence is refused in one line."
         },
     )
     class_weights: list[str] | None = field(
