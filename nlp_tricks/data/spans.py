@@ -212,11 +212,16 @@ def span_label_rows(
 
     ``spans`` are over the sentence's own words; with ``seen_words`` (the words that have a sub-token within the
     truncated encoding, in order, as ``word_positions``) they are moved onto those, and a span whose first or last
-    word the model cannot see is left out (it could not be trained on its true boundaries).
+    word the model cannot see is left out (it could not be trained on its true boundaries); without them a span
+    outside the words raises ``ValueError``.
     """
     rows = [[WORD, int(p), -1] for p in word_positions]
     index = {word: k for k, word in enumerate(range(len(word_positions)) if seen_words is None else seen_words)}
     for kind, start, end in spans:
+        if seen_words is None and not 0 <= start < end <= len(word_positions):
+            raise ValueError(
+                f"span ({kind}, {start}, {end}) is not within {len(word_positions)} words (end exclusive)"
+            )
         if start in index and end - 1 in index:
             rows.append([int(kind), index[start], index[end - 1] + 1])
     return rows

@@ -411,9 +411,6 @@ def load_span_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     """
     from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig
 
-    from nlp_tricks import _upstream
-
-    _upstream.require_transformers(_upstream.CRF_LOADING_SINCE, "load_span_model")
     config_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir") if k in kwargs}
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(pretrained_model_name_or_path, **config_kwargs)
     head_type = getattr(config, "span_head", None)

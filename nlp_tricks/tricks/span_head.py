@@ -77,6 +77,7 @@ class SpanHeadTrick(Trick):
     def prepare_model(self, trainer, model: nn.Module) -> None:
         args = self.args
         self.num_types = add_span_head(model, args.span_head, args.span_head_size, args.span_head_rope).num_types
+        model.config.span_flat = bool(args.span_flat)  # saved with the model: how its predictions were decoded
         if self._hook is not None:
             self._hook.remove()
         self._hook = _SpanLossHook(trainer, self, model)
