@@ -271,6 +271,8 @@ def span_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, num_
     item per sentence (with a word) and type, summed and divided by ``num_items_in_batch`` (or their mean)."""
     head = span_head_of(model)
     positions, targets = span_targets(labels.to(logits.device), head.num_types)
+    if positions.shape[1] == 0:  # no sentence with a word: no item, no loss (and a graph for the backward)
+        return logits.sum() * 0.0
     scores = head.scores(gather_words(logits, positions), positions >= 0)
     return multilabel_categorical_crossentropy(
         scores.flatten(-2), targets.flatten(-2), num_items_in_batch=num_items_in_batch
@@ -343,7 +345,7 @@ def add_span_head(model: nn.Module, head_type: str, head_size: int = 64, rope: b
 
     The model's ``logits`` become the head's projections; ``save_pretrained`` then writes the head with the weights
     and ``config.span_head`` / ``span_head_size`` / ``span_head_rope``, which :func:`load_span_model` reads back. The
-    head is initialised as the model initialises its layers (``_init_weights``).
+    head is initialised as the model initialises its layers (``_init_weights``), drawn from the CPU random state.
 
     Args:
         head_type (`str`): ``"global_pointer"`` or ``"efficient_global_pointer"``.
@@ -364,12 +366,13 @@ def add_span_head(model: nn.Module, head_type: str, head_size: int = 64, rope: b
             )
         return layer
     head = SPAN_HEAD_CLASSES[head_type](layer.in_features, config.num_labels, head_size, rope)
-    head.to(device=layer.weight.device, dtype=layer.weight.dtype)
     init = getattr(model, "_init_weights", None)
     if init is not None:
         for module in head.modules():
             if isinstance(module, nn.Linear):
                 init(module)
+    # Drawn on the CPU, then moved: the same weights from the same CPU random state on any device.
+    head.to(device=layer.weight.device, dtype=layer.weight.dtype)
     setattr(model, attribute, head)
     config.span_head, config.span_head_size, config.span_head_rope = head_type, int(head_size), bool(rope)
     return head

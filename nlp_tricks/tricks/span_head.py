@@ -76,7 +76,11 @@ class SpanHeadTrick(Trick):
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
         args = self.args
-        self.num_types = add_span_head(model, args.span_head, args.span_head_size, args.span_head_rope).num_types
+        # A new head is drawn under `seed`, leaving the run's random stream as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            head = add_span_head(model, args.span_head, args.span_head_size, args.span_head_rope)
+        self.num_types = head.num_types
         model.config.span_flat = bool(args.span_flat)  # saved with the model: how its predictions were decoded
         if self._hook is not None:
             self._hook.remove()
