@@ -185,3 +185,10 @@ def test_bad_spans_and_clashing_flags_are_one_line(tiny_model, tmp_path, monkeyp
     args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--span_head", "global_pointer", "--max_seq_length", "8")
     assert run_in_process("ner", [*args, "--span_head_max_words", "3"], monkeypatch) == 1
     assert _last_line(capsys).startswith("--span_head_max_words 3: a sentence has 5 words within --max_seq_length 8")
+
+
+def test_self_training_refuses_a_span_head_in_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    files = [*ner_files(tmp_path), "--unlabeled_fraction", "0.5"]
+    args = tiny_args(tiny_model, tmp_path / "out", "--task", "ner", *files, "--span_head", "global_pointer")
+    assert run_in_process("self_training", args, monkeypatch) == 1
+    assert _last_line(capsys) == "--span_head global_pointer: self-training pseudo-labels tags, not spans"

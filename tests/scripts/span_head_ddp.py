@@ -4,8 +4,8 @@
 
 Each rank sees 4 of the 8 sentences (2 micro-batches of 2); three sentences have no word, so micro-batches hold
 different item counts. The items (sentences with a word x entity types) are summed over both processes, so the step
-equals one process with a batch of 8. tests/test_span_head.py launches it and compares ``{name}_rank{r}.safetensors`` with a
-single-process step.
+equals one process with a batch of 8. tests/test_span_head.py launches it and compares
+``{name}_rank{r}.safetensors`` with a single-process step.
 """
 
 from __future__ import annotations
