@@ -39,6 +39,13 @@ Features:
   ``--crf_bio_constraints true`` needs BIO (IOB2) training tags: an ``I-`` tag that opens an entity is a
   ``file:line`` error. ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
   labels; ``--class_weights 1 3 ...`` gives one weight per tag (in the label order the error message lists).
+- ``--span_head global_pointer`` (or ``efficient_global_pointer``): a span head instead of token tagging
+  (docs/heads.md): every span of words scored per entity type, so entities may nest. Nested data is JSON lines
+  ``{"tokens": [...], "entities": [{"start": i, "end": j, "type": "PER"}]}`` (word indices, ``end`` exclusive);
+  tagged files are read as above, their tags turned into spans. Metrics are exact-span P / R / F1 (micro and per
+  type; seqeval's on flat data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to
+  ``test_predictions.txt`` as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its
+  head and settings.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
@@ -71,6 +78,7 @@ from nlp_tricks.data.arrow import as_dataset, column_values, first_rows
 from nlp_tricks.data.spans import (
     SpanCollator,
     check_entity_types,
+    is_nested_file,
     iter_span_file,
     span_label_rows,
     spans_to_tags,
@@ -651,10 +659,24 @@ def saved_span_defaults(*model_fields: str):
 
 
 def _span_example(example: dict) -> dict:
-    """A tagged example (``tokens``, ``ner_tags``) as a span example."""
+    """A tagged example (``tokens``, ``ner_tags``) as a span example (its ``line`` kept, if it has one)."""
     spans = sorted(set(tags_to_spans(example["ner_tags"])), key=lambda s: (s[1], s[2], s[0]))
     entities = [{"type": kind, "start": start, "end": end} for kind, start, end in spans]
-    return {"tokens": example["tokens"], "entities": entities, "line": example.get("line")}
+    line = {"line": example["line"]} if "line" in example else {}
+    return {"tokens": example["tokens"], "entities": entities, **line}
+
+
+def check_no_span_files(data_args: NerDataArguments) -> None:
+    """Without ``--span_head`` a nested JSON-lines file (``entities`` per sentence) cannot be read as tags: one
+    line saying which flag reads it."""
+    for path in (data_args.train_file, data_args.validation_file, data_args.test_file):
+        if path and is_nested_file(path):
+            raise DataError(
+                path,
+                None,
+                "holds entities as spans ('entities' per sentence); read it with --span_head global_pointer (or "
+                "efficient_global_pointer), or give tags ('ner_tags') for token tagging",
+            )
 
 
 def load_span_splits(data) -> dict[str, tuple[object, str]]:
@@ -843,6 +865,8 @@ def _entity_list(spans) -> list[dict]:
 
 def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_args: TricksArguments) -> None:
     """The recipe with ``--span_head``: the same flow as :func:`main` over span examples (nested files welcome)."""
+    if data_args.label_all_tokens:
+        raise DataError(None, None, "--label_all_tokens labels sub-tokens with tags; a span head scores whole words")
     with training_args.main_process_first(desc="reading the data"):
         splits, types, train_examples, eval_examples = read_span_data(data_args, saved_types(model_args))
     model, tokenizer = load_span_classifier(model_args, types)
@@ -907,6 +931,7 @@ def main() -> None:
     )
     if training_args.span_head is not None:
         return span_main(data_args, model_args, training_args)
+    check_no_span_files(data_args)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache

@@ -178,6 +178,10 @@ def test_bad_spans_and_clashing_flags_are_one_line(tiny_model, tmp_path, monkeyp
     assert run_in_process("ner", args, monkeypatch) == 1
     assert _last_line(capsys).startswith(f"{unseen}:1: entity type 'NEW' does not occur in the training data")
 
+    args = tiny_args(tiny_model, out, "--train_file", data)  # no --span_head
+    assert run_in_process("ner", args, monkeypatch) == 1
+    assert _last_line(capsys).startswith(f"{data}: holds entities as spans ('entities' per sentence); read it with")
+
     args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--span_head", "global_pointer", "--crf", "true")
     assert run_in_process("ner", args, monkeypatch) == 2
     assert "span_head='global_pointer' does not combine with crf=True" in _last_line(capsys)
