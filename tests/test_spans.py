@@ -430,6 +430,10 @@ def test_missing_fields_and_tagged_files(tmp_path):
         [{"type": "PER", "start": 0, "end": 2}],
         [{"type": "LOC", "start": 0, "end": 1}],
     ]
+    untyped = tmp_path / "untyped.conll"
+    untyped.write_text("John B-PER\n\nMary PER\n")
+    with pytest.raises(DataError, match=r"untyped.conll:3: tag 'PER' is neither 'O' nor a prefixed tag"):
+        list(iter_span_file(untyped))
     tagged = _write(tmp_path, [{"tokens": ["a", "b"], "ner_tags": ["B-X", "I-X"]}], "tagged.jsonl")
     assert [ex["entities"] for ex in iter_span_file(tagged)] == [[{"type": "X", "start": 0, "end": 2}]]
 
