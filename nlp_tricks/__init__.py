@@ -37,6 +37,7 @@ _EXPORTS = {
     "FreeLB": ".functional.adversarial",
     "load_crf_model": ".functional.crf",
     "load_pooled_model": ".functional.pooling",
+    "load_span_model": ".functional.spans",
 }
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "FreeLB",
     "load_crf_model",
     "load_pooled_model",
+    "load_span_model",
 ]
 
 
@@ -78,6 +80,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .config import TricksArguments, TricksConfig
     from .functional.adversarial import AWP, FGM, PGD, FreeLB
+    from .functional.crf import load_crf_model
     from .functional.losses import (
         FocalLoss,
         LabelSmoothingCrossEntropy,
@@ -87,6 +90,8 @@ if TYPE_CHECKING:
         label_smoothing_cross_entropy,
         rdrop_loss,
     )
+    from .functional.pooling import load_pooled_model
+    from .functional.spans import load_span_model
     from .runtime.checkpoint import load_state_dict_portable
     from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer

@@ -29,6 +29,7 @@ from .tricks.reinit_layers import ReinitArguments
 from .tricks.sam import SAMArguments
 from .tricks.scheduled_sampling import ScheduledSamplingArguments
 from .tricks.smart import SMARTArguments
+from .tricks.span_head import SpanHeadArguments
 from .tricks.swa import SWAArguments
 
 __all__ = ["TricksConfig", "TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
@@ -42,6 +43,7 @@ class TricksConfig(
     ReinitArguments,
     PoolingArguments,
     HeadDropoutArguments,
+    SpanHeadArguments,
     CRFArguments,
     SWAArguments,
     EMAArguments,

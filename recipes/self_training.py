@@ -429,6 +429,10 @@ def main() -> None:
     check_label_arguments(training_args, data["labels"])
     if training_args.crf and not task.supports_crf:
         raise DataError(None, None, "--crf true is for --task ner (a CRF over the words of a sentence)")
+    if training_args.span_head is not None:
+        raise DataError(
+            None, None, f"--span_head {training_args.span_head}: self-training pseudo-labels tags, not spans"
+        )
     if st_args.soft_labels and (training_args.crf or training_args.class_weights is not None):
         raise DataError(
             None,
