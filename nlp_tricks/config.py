@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 from .functional.adversarial import ADV_NORMS
 from .functional.pooling import POOLING_MODES
 from .functional.scheduled_sampling import MODES, SCHEDULES
+from .runtime.divergence import validate_divergence_arguments
 from .tricks import validate_arguments
 from .tricks.adversarial import ADVERSARIAL_METHODS
 from .tricks.loss import LOSS_TYPES
@@ -379,6 +380,26 @@ class TricksArguments(TrainingArguments):
         default=1.0, metadata={"help": "Softmax temperature (> 0) of ss_mode 'sample' and 'soft'."}
     )
 
+    # --- Run safety: the divergence guard (nlp_tricks/runtime/divergence.py, docs/checkpoints.md) ---
+    stop_on_nonfinite: bool = field(
+        default=True,
+        metadata={
+            "help": "Stop training at the first step whose loss or gradient norm is NaN or infinite, before its "
+            "optimizer step, and never save non-finite weights: train() raises TrainingDivergedError, one line "
+            "naming the step (the recipes exit with status 3, writing no model or all_results.json), and the last "
+            "checkpoint stays the good one resume picks. Under fp16 a step the grad scaler skips is not counted. "
+            "False: train on as upstream does."
+        },
+    )
+    max_nonfinite_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Skip up to N non-finite steps instead of stopping (>= 0): their gradients are dropped and "
+            "their optimizer step is not taken (the learning-rate schedule moves on); the count is logged as "
+            "nonfinite_steps_skipped. The next one stops training. 0: stop at the first."
+        },
+    )
+
     def __post_init__(self):
         self._map_warmup_ratio()  # before the parent validates `warmup_steps`
         super().__post_init__()
@@ -412,3 +433,4 @@ class TricksArguments(TrainingArguments):
             raise ValueError(f"layer_decay={self.layer_decay} is not allowed; it must be in (0, 1]")
         # Each trick's checks are in its module (nlp_tricks/tricks/); checks across two tricks in validate_arguments.
         validate_arguments(self)
+        validate_divergence_arguments(self)  # run safety

@@ -20,6 +20,9 @@ from .functional.losses import distillation_loss
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
 from .runtime.averaging import AVERAGING_INFO_NAME, EMA, write_averaging_info
+from .runtime.divergence import install_divergence_guard
+from .runtime.integrity import checkpoint_written
+from .runtime.lock import holds_output_dir
 from .runtime.param_groups import NO_DECAY_PATTERNS, build_param_groups, group_learning_rates, group_signature
 from .runtime.preemption import PreemptionCallback, install_preemption
 from .runtime.resume import (
@@ -117,6 +120,9 @@ class TricksTrainer(Trainer):
         # SIGTERM / SIGUSR1 / --max_time: a checkpoint at a step boundary, then stop (docs/checkpoints.md).
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
+        # Run safety: a non-finite loss, gradient norm or weight stops training (or is skipped); added last, so it
+        # can overrule the saves the callbacks above decide on (runtime/divergence.py, docs/checkpoints.md).
+        self.divergence = install_divergence_guard(self)
 
     def get_trick(self, kind: type[Trick]) -> Trick | None:
         """The run's trick of class ``kind`` (the first one), or ``None``."""
@@ -627,6 +633,7 @@ class TricksTrainer(Trainer):
             files.append(TRICKS_STATE_NAME)
         return tuple(files)
 
+    @holds_output_dir  # run safety: one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the
         tricks' state is restored from it.
@@ -661,6 +668,7 @@ class TricksTrainer(Trainer):
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
+        self.divergence.raise_if_diverged()  # run safety: a diverged run returns nothing that looks finished
         self.preempted = self.preemption.stopped_by
         if self.preempted is None:  # a stopped run is not finished: no SWA average, no best EMA
             for trick in self.tricks:
@@ -675,12 +683,28 @@ class TricksTrainer(Trainer):
     ) -> torch.Tensor:
         """Upstream's training step, unless a trick runs the step (``--adversarial``: the attack's passes added;
         the returned, logged loss is the clean one)."""
+        loss = None
         for trick in self.tricks:
             if trick.overrides("training_step"):
                 loss = trick.training_step(self, model, inputs, num_items_in_batch)
                 if loss is not None:
-                    return loss
-        return super().training_step(model, inputs, num_items_in_batch)
+                    break
+        if loss is None:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self.divergence.record_loss(loss)  # run safety: the raw loss (upstream's logging_nan_inf_filter hides NaN)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Upstream's gradient norm of the step, before its optimizer step; the divergence guard checks it."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.divergence.record_grad_norm(grad_norm)  # run safety
+        return grad_norm
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Upstream's checkpoint save, then its checksum manifest; a full disk is one line and leaves no torn
+        ``checkpoint-N`` (runtime/integrity.py)."""
+        with checkpoint_written(self, trial):  # run safety
+            super()._save_checkpoint(model, trial)
 
     # ---- Evaluation and saving -------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import difflib
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -46,6 +47,9 @@ from nlp_tricks.losses import focal_alpha_weights
 from nlp_tricks.pooling import load_pooled_model
 from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop, set_time_budget
 from nlp_tricks.resume import get_last_complete_checkpoint
+from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
+from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
+from nlp_tricks.runtime.lock import OutputDirBusyError, lock_output_dir
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -425,18 +429,24 @@ def use_every_core() -> None:
 
 
 def run_recipe(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`~nlp_tricks.data.DataError` ends it with one line on stderr and exit status 1.
+    """Run ``main``; a :class:`~nlp_tricks.data.DataError` or an ``--output_dir`` another run holds ends it with one
+    line on stderr and exit status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk
+    while saving a checkpoint with status 74 (``NO_SPACE_EXIT_CODE``).
 
     Only rank 0 prints, so a launched job with N processes shows the line once. Nothing else is caught: a bug keeps
-    its traceback.
+    its traceback. The output folder's lock is released when ``main`` ends, however it ends.
     """
     use_every_core()
     try:
         main()
-    except DataError as err:
+    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError) as err:
         if is_main_process():
             print(str(err), file=sys.stderr, flush=True)
-        sys.exit(1)
+        codes = {TrainingDivergedError: DIVERGED_EXIT_CODE, NoSpaceLeftError: NO_SPACE_EXIT_CODE}
+        sys.exit(next((code for kind, code in codes.items() if isinstance(err, kind)), 1))
+    finally:
+        while _output_dir_locks:
+            _output_dir_locks.pop().release()
 
 
 # ---- Data ---------------------------------------------------------------------------------------------------------
@@ -799,6 +809,10 @@ RESULT_OUTPUTS = (
 )
 
 
+# The output folders this process locked (prepare_output_dir), released when the recipe ends (run_recipe).
+_output_dir_locks: list = []
+
+
 def _matches(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
     return sorted({path for pattern in patterns for path in folder.glob(pattern)})
 
@@ -815,7 +829,14 @@ def prepare_output_dir(
     are removed without asking. A folder holding a model the run reads (``reads``: ``--model_name_or_path``, ...)
     is always refused, since replacing its files would remove what the run is about to load. Only the main process
     removes; every process checks.
+
+    First of all the main process locks the folder (created if missing) for this run: one that another run holds
+    is refused (``OutputDirBusyError``, one line naming that run) before anything in it is touched.
     """
+    if is_main_process():
+        lock = lock_output_dir(output_dir)
+        if lock is not None:
+            _output_dir_locks.append(lock)
     folder = Path(output_dir)
     if not folder.is_dir():
         return
@@ -970,9 +991,23 @@ def warn(message: str) -> None:
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
-    """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file."""
+    """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file.
+
+    A NaN or an infinity (an undefined metric, such as a correlation of constant predictions) is written as
+    ``null``: strict JSON has no such numbers, and Python's bare ``NaN`` breaks other readers."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(_finite_or_null(data), indent=2, sort_keys=True, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value
