@@ -103,9 +103,7 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
 def _code(values: torch.Tensor) -> torch.Tensor:
     """0 all finite, 1 an infinity, 2 a NaN (a 0-d int tensor, on ``values``' device)."""
     values = values.detach().float()
-    return torch.where(
-        torch.isnan(values).any(), _NAN, torch.where(torch.isinf(values).any(), _INF, _FINITE)
-    ).int()
+    return torch.where(torch.isnan(values).any(), _NAN, torch.where(torch.isinf(values).any(), _INF, _FINITE)).int()
 
 
 class DivergenceGuard(TrainerCallback):

@@ -179,14 +179,27 @@ def _existing(path: str) -> str:
     return path or "."
 
 
-def _last_written(folder: str, error: BaseException) -> str:
-    """The file being written when ``error`` came: the error's own file name, else the newest file in ``folder``."""
+def _last_written(folder: str, error: BaseException, safetensors_files: tuple[str, ...] = ()) -> str:
+    """The file being written when ``error`` came: the error's own file name; for safetensors (which removes the
+    file it could not finish) the first of ``safetensors_files`` (in the order they are written) missing from
+    ``folder``; else the newest file."""
     name = getattr(error, "filename", None)
     if name:
         return os.path.relpath(os.fspath(name), folder) if os.path.isabs(os.fspath(name)) else os.fspath(name)
+    present = set(_files(folder)) if os.path.isdir(folder) else set()
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    if any("safetensor" in type(e).__name__.lower() for e in chain):
+        if "model.safetensors.index.json" in present:
+            return "a model shard (.safetensors)"
+        expected = [n for n in safetensors_files if n.endswith(".safetensors")]
+        return next((n for n in expected if n not in present), "a .safetensors file")
     newest, newest_time = None, -1
     with contextlib.suppress(OSError):
-        for relative in _files(folder):
+        for relative in sorted(present):
             mtime = os.stat(os.path.join(folder, relative)).st_mtime_ns
             if mtime >= newest_time:
                 newest, newest_time = relative, mtime
@@ -219,7 +232,9 @@ def checkpoint_written(trainer, trial=None):
     except Exception as error:
         if not is_disk_full(error, folder):
             raise
-        written = _last_written(folder, error)
+        weights = "adapter_model.safetensors" if hasattr(trainer.model, "peft_config") else "model.safetensors"
+        expected = (weights, *getattr(trainer, "required_checkpoint_files", ()))
+        written = _last_written(folder, error, expected)
         if trainer.args.should_save and os.path.isdir(folder):
             shutil.rmtree(folder, ignore_errors=True)
         raise NoSpaceLeftError(
