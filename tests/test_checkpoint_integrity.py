@@ -217,3 +217,16 @@ def test_recipe_on_a_really_full_disk_exits_74_with_one_line(tiny_model, tmp_pat
 
 def test_no_space_exit_code_is_documented():
     assert f"`{NO_SPACE_EXIT_CODE}`" in (ROOT / "docs" / "checkpoints.md").read_text()
+
+
+def test_checksum_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint_checksum.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"].split()[0]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(rows) == {"save", "crc32", "read", "blake2b", "sha256"}
+    assert rows["save"]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in rows.values())

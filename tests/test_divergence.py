@@ -4,6 +4,7 @@ divergence; metrics files stay valid JSON."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from nlp_tricks.runtime.divergence import (
     TrainingDivergedError,
     nonfinite_parameters,
 )
-from recipe_helpers import ner_files, run_in_process, tiny_args
+from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,20 +205,37 @@ def test_a_step_the_grad_scaler_skips_is_not_divergence(tmp_path):
 # ---- Recipes ---------------------------------------------------------------------------------------------------
 
 
+def _recipe_data(recipe: str, tmp_path) -> list[str]:
+    if recipe == "ner":
+        return ner_files(tmp_path)
+    write_csv(tmp_path / "train.csv", CLS_ROWS)
+    write_csv(tmp_path / "test.csv", CLS_ROWS[:3])
+    test = str(tmp_path / "test.csv")
+    return ["--train_file", str(tmp_path / "train.csv"), "--validation_file", test, "--test_file", test]
+
+
+@pytest.mark.parametrize(
+    "recipe, extra", [("ner", ()), ("ner", ("--crf", "true")), ("classification", ())], ids=["ner", "crf", "cls"]
+)
 def test_recipe_nan_run_exits_3_with_one_line_and_nothing_that_looks_finished(
-    tiny_model, tmp_path, monkeypatch, capsys
+    tiny_model, tmp_path, monkeypatch, capsys, recipe, extra
 ):
     out = tmp_path / "out"
-    args = tiny_args(tiny_model, out, *ner_files(tmp_path), "--max_steps", "4", "--save_steps", "1")
+    args = tiny_args(tiny_model, out, *_recipe_data(recipe, tmp_path), "--max_steps", "4", "--save_steps", "1", *extra)
     args[args.index("--learning_rate") + 1] = "1e30"
-    assert run_in_process("ner", args, monkeypatch) == DIVERGED_EXIT_CODE
+    assert run_in_process(recipe, args, monkeypatch) == DIVERGED_EXIT_CODE
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if "diverged" in line]
-    assert len(lines) == 1 and lines[0].startswith("training diverged at step 2: the loss is nan"), err[-3000:]
-    assert {p.name for p in out.iterdir()} == {"checkpoint-1"}, "no model, results, predictions or NaN checkpoint"
-    assert get_last_complete_checkpoint(out) == str(out / "checkpoint-1")
-    assert _finite(out / "checkpoint-1" / "model.safetensors")
+    assert len(lines) == 1, err[-3000:]
+    match = re.match(r"training diverged at step (\d+): the (loss|weights) ", lines[0])
+    assert match, lines[0]
+    step = int(match.group(1))
+    kept = {f"checkpoint-{s}" for s in range(1, step)}
+    assert {p.name for p in out.iterdir()} == kept, "no model, results, predictions or non-finite checkpoint"
+    if kept:
+        assert get_last_complete_checkpoint(out) == str(out / f"checkpoint-{step - 1}")
+    assert all(_finite(out / name / "model.safetensors") for name in kept)
 
 
 def test_exit_code_is_documented():

@@ -84,11 +84,11 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     one host synchronisation for the whole model."""
     names, flags = [], []
     for name, param in model.named_parameters():
-        tensor = param.detach()
-        tensor = getattr(param, "ds_tensor", None) if getattr(param, "ds_tensor", None) is not None else tensor
+        shard = getattr(param, "ds_tensor", None)  # DeepSpeed ZeRO-3: the parameter itself is an empty stand-in
+        tensor = (param if shard is None else shard).detach()
         if hasattr(tensor, "to_local"):  # a DTensor (FSDP2): its local shard
             tensor = tensor.to_local()
-        if tensor.numel() == 0 or not tensor.is_floating_point():
+        if tensor.numel() == 0 or tensor.is_meta or not tensor.is_floating_point():
             continue
         flat = tensor.reshape(-1)
         finite = torch.stack([torch.isfinite(chunk).all() for chunk in flat.split(_CHUNK)]).all()
