@@ -63,6 +63,9 @@ class TricksTrainer(Trainer):
     - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
       EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
       files and states, and :meth:`train` restores them on resume.
+    - Run safety (docs/checkpoints.md): :meth:`train` locks ``output_dir`` for itself (one run per folder), stops at a
+      non-finite loss, gradient norm or weight (``stop_on_nonfinite``: ``TrainingDivergedError``, nothing of that step
+      saved), and each ``checkpoint-N`` ends with a checksum manifest that resume verifies.
 
     Extension points: :meth:`compute_tricks_loss`, :meth:`forward_for_loss`, :meth:`build_optimizer_groups`,
     :meth:`record_metric`, :attr:`trick_state`; upstream's signatures are kept for the methods it overrides. A trick

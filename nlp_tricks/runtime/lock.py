@@ -95,8 +95,9 @@ def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock | None:
     process that holds it.
 
     Never waits: a held lock is refused at once. Returns ``None`` (with a warning) on a file system without
-    ``flock`` (some Lustre / CIFS mounts): the run goes on unprotected. Call :meth:`OutputDirLock.release` (or use
-    the lock as a context manager) when the run stops writing; a process that ends drops it anyway.
+    ``flock`` (some Lustre / CIFS mounts) or a folder this process cannot write to: the run goes on unprotected.
+    Call :meth:`OutputDirLock.release` (or use the lock as a context manager) when the run stops writing; a process
+    that ends drops it anyway.
     """
     folder = os.path.realpath(os.fspath(output_dir))
     existing = _held.get(folder)
@@ -108,7 +109,14 @@ def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock | None:
     import fcntl  # not on Windows; imported here so that the module imports there
 
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            # A folder this process may not write to: nothing of the run can be written there to protect either.
+            logger.warning(f"{output_dir}: cannot create its lock file ({error.strerror}); it is not locked")
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
