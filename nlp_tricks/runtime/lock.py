@@ -55,11 +55,13 @@ class OutputDirLock:
     """An exclusive lock on one output folder, held by this process (see :func:`lock_output_dir`).
 
     Re-entrant within the process: each :func:`lock_output_dir` of the same folder adds one hold, and each
-    :meth:`release` removes one; the last release unlocks the folder and removes the lock file.
+    :meth:`release` removes one; the last release unlocks the folder and removes the lock file (and the folder, if
+    the lock created it and nothing else was written there).
     """
 
-    def __init__(self, folder: str, fd: int):
+    def __init__(self, folder: str, fd: int, created: bool = False):
         self.folder = folder
+        self.created = created  # the lock created the folder: removed again if the run left it empty
         self.path = os.path.join(folder, LOCK_NAME)
         self.fd: int | None = fd
         self.pid = os.getpid()
@@ -82,6 +84,9 @@ class OutputDirLock:
             os.unlink(self.path)
         os.close(self.fd)  # closing the last descriptor drops the flock
         self.fd = None
+        if self.created:
+            with contextlib.suppress(OSError):  # not empty: the run wrote into it
+                os.rmdir(self.folder)
 
     def __enter__(self) -> OutputDirLock:
         return self
@@ -104,12 +109,13 @@ def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock | None:
     if existing is not None and existing.held:
         existing.holds += 1
         return existing
-    os.makedirs(folder, exist_ok=True)
+    created = not os.path.isdir(folder)
     path = os.path.join(folder, LOCK_NAME)
     import fcntl  # not on Windows; imported here so that the module imports there
 
     while True:
         try:
+            os.makedirs(folder, exist_ok=True)  # again on a retry: a holder that created it removes it when done
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -145,7 +151,7 @@ def lock_output_dir(output_dir: str | os.PathLike) -> OutputDirLock | None:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(_holder_record()).encode() + b"\n")
-    lock = OutputDirLock(folder, fd)
+    lock = OutputDirLock(folder, fd, created)
     _held[folder] = lock
     return lock
 
