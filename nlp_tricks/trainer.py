@@ -27,7 +27,10 @@ from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
 from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
+from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
+from .runtime.integrity import checkpoint_written
+from .runtime.lock import holds_output_dir
 from .runtime.param_groups import (
     NO_DECAY_PATTERNS,
     build_param_groups,
@@ -82,6 +85,9 @@ class TricksTrainer(DropInLosses, Trainer):
     - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
       EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
       states (one file), and :meth:`train` restores them on resume.
+    - Run safety (docs/checkpoints.md): :meth:`train` locks ``output_dir`` for itself (one run per folder), stops at a
+      non-finite loss, gradient norm or weight (``stop_on_nonfinite``: ``TrainingDivergedError``, nothing of that step
+      saved), and each ``checkpoint-N`` ends with a checksum manifest that resume verifies.
 
     Extension points: :meth:`compute_tricks_loss`, :meth:`forward_for_loss`, :meth:`build_optimizer_groups`,
     :meth:`record_metric`, :attr:`trick_state`, :meth:`multi_pass`, :meth:`data_stream`, :attr:`loss_context`;
@@ -144,6 +150,9 @@ class TricksTrainer(DropInLosses, Trainer):
         # SIGTERM / SIGUSR1 / --max_time: a checkpoint at a step boundary, then stop (docs/checkpoints.md).
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
+        # Run safety: a non-finite loss, gradient norm or weight stops training (or is skipped); added last, so it
+        # can overrule the saves the callbacks above decide on (runtime/divergence.py, docs/checkpoints.md).
+        self.divergence = install_divergence_guard(self)
 
     # ---- The tricks: building and dispatch -----------------------------------------------------------------------
 
@@ -733,6 +742,7 @@ class TricksTrainer(DropInLosses, Trainer):
         if problem is not None:
             raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
 
+    @holds_output_dir  # one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the
         tricks' state is restored from it.
@@ -759,6 +769,7 @@ class TricksTrainer(DropInLosses, Trainer):
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
+        self.divergence.raise_if_diverged()  # a diverged run returns nothing that looks finished
         self.preempted = self.preemption.stopped_by
         if self.preempted is None:  # a stopped run is not finished: no SWA average, no best EMA
             self.call_tricks("train_end")
@@ -792,7 +803,20 @@ class TricksTrainer(DropInLosses, Trainer):
                 loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._context = None
+        self.divergence.record_loss(loss)  # the raw loss (upstream's logging_nan_inf_filter hides a NaN)
         return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Upstream's gradient norm of the step, before its optimizer step; the divergence guard checks it."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.divergence.record_grad_norm(grad_norm)
+        return grad_norm
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Upstream's checkpoint save, then its checksum manifest; a full disk is one line and leaves no torn
+        ``checkpoint-N`` (runtime/integrity.py)."""
+        with checkpoint_written(self, trial):
+            super()._save_checkpoint(model, trial)
 
     def step_context(self) -> LossContext:
         """The loss context of the micro-batch being trained (for a trick's :meth:`multi_pass` passes)."""

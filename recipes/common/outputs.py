@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
 from nlp_tricks.checkpoint import DESCRIPTION_FILES
 from nlp_tricks.data import DataError
+from nlp_tricks.runtime.lock import lock_output_dir
 
 from .process import is_main_process, logger
 
@@ -50,6 +52,10 @@ def _matches(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
     return sorted({path for pattern in patterns for path in folder.glob(pattern)})
 
 
+# The output folders this process locked (prepare_output_dir), released when the recipe ends (run_recipe).
+output_dir_locks: list = []
+
+
 def prepare_output_dir(
     output_dir: str | Path, overwrite: bool, resume: str | bool | None = None, reads: tuple[str | None, ...] = ()
 ) -> None:
@@ -62,7 +68,14 @@ def prepare_output_dir(
     are removed without asking. A folder holding a model the run reads (``reads``: ``--model_name_or_path``, ...)
     is always refused, since replacing its files would remove what the run is about to load. Only the main process
     removes; every process checks.
+
+    First of all the main process locks the folder (created if missing) for this run: one that another run holds
+    is refused (``OutputDirBusyError``, one line naming that run) before anything in it is touched.
     """
+    if is_main_process():
+        lock = lock_output_dir(output_dir)
+        if lock is not None:
+            output_dir_locks.append(lock)
     folder = Path(output_dir)
     if not folder.is_dir():
         return
@@ -118,9 +131,23 @@ def _remove_run_outputs(folder: Path, keep_checkpoints: bool) -> None:
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
-    """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file."""
+    """Write ``data`` as JSON through a temporary file and a rename, so a reader never sees a partial file.
+
+    A NaN or an infinity (an undefined metric, such as a correlation of constant predictions) is written as
+    ``null``: strict JSON has no such numbers, and Python's bare ``NaN`` breaks other readers."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(_finite_or_null(data), indent=2, sort_keys=True, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _finite_or_null(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value

@@ -13,8 +13,11 @@ import torch
 from nlp_tricks.data import DataError
 from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop
 from nlp_tricks.resume import get_last_complete_checkpoint
+from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
+from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
+from nlp_tricks.runtime.lock import OutputDirBusyError
 
-from .outputs import write_json_atomic
+from .outputs import output_dir_locks, write_json_atomic
 from .process import is_main_process
 
 
@@ -44,18 +47,24 @@ def use_every_core() -> None:
 
 
 def run_recipe(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`~nlp_tricks.data.DataError` ends it with one line on stderr and exit status 1.
+    """Run ``main``; a :class:`~nlp_tricks.data.DataError` or an ``--output_dir`` another run holds ends it with one
+    line on stderr and exit status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk
+    while saving a checkpoint with status 74 (``NO_SPACE_EXIT_CODE``).
 
     Only rank 0 prints, so a launched job with N processes shows the line once. Nothing else is caught: a bug keeps
-    its traceback.
+    its traceback. The output folder's lock is released when ``main`` ends, however it ends.
     """
     use_every_core()
     try:
         main()
-    except DataError as err:
+    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError) as err:
         if is_main_process():
             print(str(err), file=sys.stderr, flush=True)
-        sys.exit(1)
+        codes = {TrainingDivergedError: DIVERGED_EXIT_CODE, NoSpaceLeftError: NO_SPACE_EXIT_CODE}
+        sys.exit(next((code for kind, code in codes.items() if isinstance(err, kind)), 1))
+    finally:
+        while output_dir_locks:
+            output_dir_locks.pop().release()
 
 
 def resume_argument(value: str | None) -> str | bool | None:
