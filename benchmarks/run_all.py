@@ -1,5 +1,5 @@
 """Run the benchmarks in benchmarks/ (all but data_scale.py, below), each side by side with its baseline in one
-run; print one table.
+run; print one table (and one for the rows of exactness.py).
 
     python benchmarks/run_all.py            # the full runs the docs quote (about 20 minutes on 2 CPU cores)
     python benchmarks/run_all.py --quick    # tiny shapes, seconds each: checks that each of them runs

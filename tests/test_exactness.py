@@ -2,6 +2,7 @@
 not the one its help promises."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +15,39 @@ from tiny import bert_token_cls, token_cls_data, tricks_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARK = ROOT / "benchmarks" / "exactness.py"
+DOCS = ROOT / "docs" / "tricks.md"
 
 
 def _rows(*flags: str) -> list[dict]:
     proc = subprocess.run([sys.executable, str(BENCHMARK), "--json", *flags], capture_output=True, text=True)
-    rows = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else []
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return rows
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _measured(rows: list[dict], split: str) -> dict[str, str]:
     return {r["case"]: r["measured"] for r in rows if r["split"].startswith(split)}
+
+
+def _docs_table() -> dict[str, tuple[str, str]]:
+    """docs/tricks.md's table of the section "Exact under accumulation and DDP": case -> (accumulation, DDP), each
+    "differs" or "round-off"."""
+    section = DOCS.read_text(encoding="utf-8").split("## Exact under accumulation and DDP", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) == 5 and cells[1].startswith("`"):
+            verdicts = tuple("differs" if c.startswith("**differs**") else "round-off" for c in cells[2:4])
+            table[cells[1].strip("`")] = verdicts
+    return table
+
+
+def test_the_docs_table_lists_every_case():
+    sys.path.insert(0, str(BENCHMARK.parent))
+    try:
+        import exactness
+    finally:
+        sys.path.remove(str(BENCHMARK.parent))
+    assert list(_docs_table()) == [case.name for case in exactness.CASES]
 
 
 @pytest.mark.slow
@@ -37,6 +60,7 @@ def test_every_trick_under_accumulation_is_as_the_docs_say():
     assert measured["fgm"] == "differs" and measured["fgm_example"] == "round-off"
     assert measured["rdrop"] == "differs" and measured["rdrop_example"] == "round-off"
     assert measured["sam"] == measured["class_weights"] == measured["crf"] == "round-off"
+    assert {case: docs[0] for case, docs in _docs_table().items()} == measured
 
 
 @pytest.mark.slow
@@ -49,6 +73,7 @@ def test_tricks_under_two_processes_are_as_the_docs_say():
     assert measured["sam"] == measured["fgm"] == measured["smart"] == "differs"
     assert measured["plain"] == measured["class_weights"] == measured["fgm_example"] == "round-off"
     assert measured["smart_example"] == "round-off"
+    assert {case: docs[1] for case, docs in _docs_table().items() if case in measured} == measured
 
 
 @pytest.mark.xfail(
