@@ -1,7 +1,7 @@
 """What a split of the batch changes, trick by trick: one SGD step on a batch of 4 as 1 micro-batch of 4 against
 2 micro-batches of 2 accumulated (and, with ``--ddp``, 2 processes x 2 examples against 1 process x 4).
 
-    python benchmarks/exactness.py               # every trick, one process (about a minute on 2 cores)
+    python benchmarks/exactness.py               # every trick, one process (1-2 minutes on 2 cores)
     python benchmarks/exactness.py --ddp         # also 2 processes (accelerate launch --multi_gpu, gloo on the CPU)
     python benchmarks/exactness.py --quick       # a few tricks, seconds (benchmarks/run_all.py --quick)
     python benchmarks/exactness.py --only fgm,fgm_example --json
