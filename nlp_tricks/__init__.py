@@ -22,6 +22,7 @@ _EXPORTS = {
     "TricksConfig": ".config",
     "Trick": ".trick",
     "HOOK_RULES": ".trick",
+    "with_tricks": ".hosts",
     "focal_loss": ".functional.losses",
     "label_smoothing_cross_entropy": ".functional.losses",
     "cross_entropy": ".functional.losses",
@@ -46,6 +47,7 @@ __all__ = [
     "TricksConfig",
     "Trick",
     "HOOK_RULES",
+    "with_tricks",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -92,6 +94,7 @@ if TYPE_CHECKING:
     )
     from .functional.pooling import load_pooled_model
     from .functional.spans import load_span_model
+    from .hosts import with_tricks
     from .runtime.checkpoint import load_state_dict_portable
     from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer

@@ -110,19 +110,12 @@ class TricksTrainer(DropInLosses, Trainer):
                 f"TricksTrainer needs TricksArguments (a TrainingArguments subclass), got {type(args).__name__}; "
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
-        for trick in tricks:
-            if not isinstance(trick, Trick):
-                raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
-        # Copies taken before any use: each hyperparameter-search trial starts from them (fresh state).
-        self._trick_templates = [_fresh_copy(trick) for trick in tricks]
-        self._streams: dict[str, TrickDataStream] = {}
-        self._use_tricks(built_in_tricks(args, user_tricks=tricks))
+        self._take_tricks(args, tricks)
         if model is not None:
             self.call_tricks("prepare_model", model)
         super().__init__(model, args, *positional, **kwargs)
         self._check_compute_loss_func()
         self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
-        self._warned: set[str] = set()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
         # Whether the loss scores the logits at position t against the label at t + 1. Upstream's Trainer decides it
@@ -132,6 +125,24 @@ class TricksTrainer(DropInLosses, Trainer):
         # rules are taken here, and the result handed back so that upstream counts the items this loss divides by.
         self.loss_shifts_labels = self._decide_loss_shifts_labels(_upstream.loss_shifts_labels(self))
         _upstream.set_loss_shifts_labels(self, self.loss_shifts_labels)
+        self._start_tricks()
+
+    def _take_tricks(self, config, tricks) -> None:
+        """Take the built-in tricks ``config`` (the trick fields) switches on and the user's ``tricks``."""
+        for trick in tricks:
+            if not isinstance(trick, Trick):
+                raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
+        #: The trick fields of this run (``args`` itself for TricksTrainer; a host trainer's ``tricks_config``).
+        self.tricks_config = config
+        # Copies taken before any use: each hyperparameter-search trial starts from them (fresh state).
+        self._trick_templates = [_fresh_copy(trick) for trick in tricks]
+        self._streams: dict[str, TrickDataStream] = {}
+        self._use_tricks(built_in_tricks(config, user_tricks=tricks))
+
+    def _start_tricks(self) -> None:
+        """Once upstream's ``__init__`` has run: the trainer's own bookkeeping, the checks at build, the tricks'
+        ``setup`` and callbacks, preemption and the divergence guard."""
+        self._warned = getattr(self, "_warned", set())
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # The trainer's own cumulative numbers (a subclass's counters): logged as they are, saved in the state store.
@@ -578,11 +589,12 @@ class TricksTrainer(DropInLosses, Trainer):
         super()._hp_search_setup(trial)
         if self.hp_search_backend is None or trial is None:
             return
-        self.args.revalidate()
+        self.tricks_config.revalidate()
         for trick in self.tricks:
             self.remove_callback(trick)
         self._streams.clear()
-        self._use_tricks(built_in_tricks(self.args, user_tricks=[_fresh_copy(t) for t in self._trick_templates]))
+        fresh = [_fresh_copy(t) for t in self._trick_templates]
+        self._use_tricks(built_in_tricks(self.tricks_config, user_tricks=fresh))
         self.call_tricks("prepare_model", self.model)
         self._check_capabilities()
         self._setup_tricks()
