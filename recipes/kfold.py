@@ -16,9 +16,11 @@ Then, in ``DIR``:
   it, in the recipe's predictions format (classification also ``oof_probabilities.npy``); ``folds.json`` says which
   fold held out which example.
 - ``test_predictions.*``: the ensemble's predictions (``nlp_tricks.ensemble``: the mean of the folds' probabilities;
-  NER by word, with a CRF the mean emissions and scores decoded once by Viterbi, or ``--ensemble_vote T``), and for
-  classification ``test_probabilities.npy`` (float32, one row per test example in file order, columns in the order
-  of ``fold0/config.json``'s ``id2label``) here and in every ``fold{k}/``.
+  NER by word, with a CRF the mean emissions and scores decoded once by Viterbi, with a span head
+  (``--span_head`` after ``--``) the mean word-level span scores decoded once, flat or nested as the folds were
+  trained; or ``--ensemble_vote T``), and for classification ``test_probabilities.npy`` (float32, one row per test
+  example in file order, columns in the order of ``fold0/config.json``'s ``id2label``) here and in every
+  ``fold{k}/``.
 - ``all_results.json``: ``oof_<metric>``, ``test_<metric>``, ``fold_test_<metric>`` (one per fold) and
   ``fold_test_<metric>_mean``, each recomputed from the predictions files written, and the wall times.
 - ``kfold_ensemble.json``: the manifest that makes ``DIR`` an ensemble the recipes predict with
@@ -134,11 +136,8 @@ def read_training_data(task: EnsembleTask, data_args, model_args=None) -> dict:
     if is_span_task(task):
         # The types of a saved span model, or --entity_types, or the whole training split's: --entity_types of
         # every fold, so a fold whose training part lacks a type still has it.
-        if model_args is not None:
-            types = recipe.span_types(data_args, model_args)
-        else:
-            types = (data_args.entity_types, "--entity_types" if data_args.entity_types else None)
-        splits, labels, train_examples, eval_examples = recipe.read_span_data(data_args, *types)
+        types, known_from = recipe.span_types(data_args, model_args)
+        splits, labels, train_examples, eval_examples = recipe.read_span_data(data_args, types, known_from)
     else:
         splits, labels, train_examples, eval_examples = recipe.read_data(data_args)
     train = [dict(ex) for ex in train_examples]

@@ -42,10 +42,10 @@ Features:
 - ``--span_head global_pointer`` (or ``efficient_global_pointer``): a span head instead of token tagging
   (docs/heads.md): every span of words scored per entity type, so entities may nest. Nested data is JSON lines
   ``{"tokens": [...], "entities": [{"start": i, "end": j, "type": "PER"}]}`` (word indices, ``end`` exclusive);
-  tagged files are read as above, their tags turned into spans. Metrics are exact-span P / R / F1 (micro and per
-  type; seqeval's on flat data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to
-  ``test_predictions.txt`` as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its
-  head and settings.
+  tagged files are read as above, their tags turned into spans; the entity types are the training data's, sorted,
+  or ``--entity_types`` in that order. Metrics are exact-span P / R / F1 (micro and per type; seqeval's on flat
+  data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to ``test_predictions.txt``
+  as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its head and settings.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
@@ -842,11 +842,11 @@ def saved_types(model_args: ModelArguments) -> list[str] | None:
     return [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
 
 
-def span_types(data_args: NerDataArguments, model_args: ModelArguments) -> tuple[list[str] | None, str | None]:
+def span_types(data_args: NerDataArguments, model_args: ModelArguments | None) -> tuple[list[str] | None, str | None]:
     """``(types, where they come from)``: a saved span model's (its predictions are over those), else
     ``--entity_types``, else ``(None, None)`` (the training data's); a saved model and other ``--entity_types``
     are refused in one line."""
-    saved = saved_types(model_args)
+    saved = saved_types(model_args) if model_args is not None else None
     given = data_args.entity_types
     if saved is not None and given is not None and saved != given:
         raise DataError(

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from seqeval.metrics import f1_score, precision_score, recall_score
 from test_kfold import NER_TRAIN, RAN, check_oof_coverage, ner_columns, read_ids, run_here, tiny_flags
 from transformers import AutoTokenizer
@@ -23,8 +24,8 @@ from recipe_helpers import TEST_CONLL, run_in_process
 
 import kfold
 
-# Learning rates at which the two fold models still predict entities and disagree, so the mean is neither (asserted).
-SPAN_FLAGS = ["--span_head_size", "16", "--learning_rate", "3e-4"]
+# A small learning rate: the fresh heads' positive spans remain, so there are entities to average and decode.
+SPAN_FLAGS = ["--span_head_size", "16", "--learning_rate", "1e-5"]
 # Nested entities (GPE only in the first sentence: the fold that holds it out trains without it), one span of two
 # types, a sentence without entities.
 NESTED_TRAIN = [
@@ -45,6 +46,15 @@ NESTED_TEST = [
     {"tokens": "the dog sat".split(), "entities": []},
 ]  # fmt: skip
 RAW_TEXT = "the cat sat in london\njohn works at google\n"
+# More test sentences than recipe_helpers' two, so that flat decisions of the mean and of each fold can differ.
+FLAT_TEST = TEST_CONLL + "".join(
+    "\n" + "".join(f"{word}\t{tag}\n" for word, tag in zip(words.split(), tags.split()))
+    for words, tags in (
+        ("john works at acme in new york", "B-PER O O B-ORG O B-LOC I-LOC"),
+        ("a dog ran in paris", "O O O O B-LOC"),
+        ("mary sat on the mat in london", "B-PER O O O O O B-LOC"),
+    )
+)
 
 
 def _jsonl(path: Path, records: list[dict]) -> str:
@@ -118,6 +128,22 @@ def prf(predicted: list[list[tuple]], gold: list[list[tuple]]) -> dict:
     return {"precision": precision, "recall": recall, "f1": f1}
 
 
+def disagree(out: Path, argv: list[str]) -> None:
+    """Make fold 1 disagree with fold 0, then run the k-fold command again (nothing is retrained: the ensemble files
+    are recomputed from the saved fold models). Fold models of 2 steps from one start barely differ, so an ensemble
+    could not be told from its members; seeded noise of the head's own size on fold 1's head changes that."""
+    path = out / "fold1" / "model.safetensors"
+    weights = load_file(str(path))
+    generator = torch.Generator().manual_seed(0)
+    for key in [k for k in weights if k.startswith("classifier.") and k.endswith("weight")]:
+        weight = weights[key]
+        weights[key] = weight + weight.std() * torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+    save_file(weights, str(path), metadata={"format": "pt"})
+    RAN.clear()
+    assert kfold.main(argv, run=run_here) == 0
+    assert RAN == []
+
+
 def kfold_argv(out: Path, model: str, *extra: str, runner: tuple = ()) -> list[str]:
     return ["--recipe", "ner", "--folds", "2", "--output_dir", str(out), *runner, "--", *tiny_flags(model),
             *SPAN_FLAGS, *extra]  # fmt: skip
@@ -127,7 +153,7 @@ def test_kfold_flat_span_models_average_scores_decode_once_vote_and_predict_as_a
     tiny_model, tmp_path, monkeypatch
 ):
     (tmp_path / "train.conll").write_text(NER_TRAIN)
-    (tmp_path / "test.conll").write_text(TEST_CONLL)
+    (tmp_path / "test.conll").write_text(FLAT_TEST)
     out = tmp_path / "kf"
     data = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
     argv = kfold_argv(out, tiny_model, "--span_head", "global_pointer", "--span_flat", "true", *data)
@@ -142,25 +168,16 @@ def test_kfold_flat_span_models_average_scores_decode_once_vote_and_predict_as_a
         assert [config["id2label"][str(i)] for i in range(3)] == types
     assert results["ensemble_rule"].startswith("mean of the folds' span scores")
 
-    # The ensemble's entities: the mean of the two fold models' scores (computed here), best flat labelling.
+    # Each fold's own test predictions (its run's) are its scores, computed here, decoded alone; out of fold, each
+    # training sentence is predicted by the fold model that held it out, decoded alone.
     test = _read(out / "test_predictions.jsonl")
     sentences = [r["tokens"] for r in test]
-    members = [word_scores(out / f"fold{k}", sentences) for k in range(2)]
-    member_spans = [[best_flat_labelling(s, types) for s in m] for m in members]
-    for i, record in enumerate(test):
-        mean = (members[0][i] + members[1][i]) / 2
-        assert _spans(record["entities"]) == best_flat_labelling(mean, types), i
-    for k in range(2):  # the mean is neither fold's own decoding (so the test tells them apart)
-        assert [_spans(r["entities"]) for r in test] != member_spans[k]
-    assert sum(len(r["entities"]) for r in test) > 0
-    for k in range(2):  # and each fold's own test predictions are its own scores decoded alone
+    for k in range(2):
         own = _read(out / f"fold{k}" / "test_predictions.jsonl")
-        assert [_spans(r["entities"]) for r in own] == member_spans[k]
-
-    # Out of fold: each training sentence predicted by the fold model that held it out, decoded alone.
+        assert [_spans(r["entities"]) for r in own] == [best_flat_labelling(s, types) for s in word_scores(
+            out / f"fold{k}", sentences)]  # fmt: skip
     oof = _read(out / "oof_predictions.jsonl")
-    train_sentences = [r["tokens"] for r in oof]
-    by_fold = [word_scores(out / f"fold{k}", train_sentences) for k in range(2)]
+    by_fold = [word_scores(out / f"fold{k}", [r["tokens"] for r in oof]) for k in range(2)]
     for i, record in enumerate(oof):
         assert _spans(record["entities"]) == best_flat_labelling(by_fold[fold_of[i]][i], types), i
 
@@ -178,6 +195,19 @@ def test_kfold_flat_span_models_average_scores_decode_once_vote_and_predict_as_a
     for k in range(2):
         own = json.loads((out / f"fold{k}" / "all_results.json").read_text())
         assert results["fold_test_f1"][k] == own["test_f1"]
+
+    # The ensemble's entities: the mean of the two fold models' scores (computed here), best flat labelling.
+    disagree(out, argv)
+    test = _read(out / "test_predictions.jsonl")
+    members = [word_scores(out / f"fold{k}", sentences) for k in range(2)]
+    member_spans = [[best_flat_labelling(s, types) for s in m] for m in members]
+    for i, record in enumerate(test):
+        mean = (members[0][i] + members[1][i]) / 2
+        assert _spans(record["entities"]) == best_flat_labelling(mean, types), i
+    for k in range(2):  # the mean is neither fold's own decoding (so the test tells them apart)
+        assert [_spans(r["entities"]) for r in test] != member_spans[k]
+    assert sum(len(r["entities"]) for r in test) > 0
+    results = json.loads((out / "all_results.json").read_text())
 
     # The folder predicts like a model: ner.py with it writes the same predictions and scores.
     predicted = tmp_path / "predicted"
@@ -226,8 +256,8 @@ def test_kfold_nested_span_models_every_type_and_fold_wise_pseudo_labels(tiny_mo
     (tmp_path / "raw.txt").write_text(RAW_TEXT)
     out = tmp_path / "kf"
     argv = kfold_argv(
-        out, tiny_model, "--span_head", "efficient_global_pointer", "--learning_rate", "3e-5", "--train_file", train,
-        "--test_file", test, runner=("--unlabeled_file", str(tmp_path / "raw.txt")),
+        out, tiny_model, "--span_head", "efficient_global_pointer", "--train_file", train, "--test_file", test,
+        runner=("--unlabeled_file", str(tmp_path / "raw.txt")),
     )  # fmt: skip
     assert kfold.main(argv, run=run_here) == 0
     results = json.loads((out / "all_results.json").read_text())
@@ -247,6 +277,8 @@ def test_kfold_nested_span_models_every_type_and_fold_wise_pseudo_labels(tiny_mo
     assert not (out / "test_predictions.txt").exists()  # nested: JSON lines only
 
     # Nested: every span whose mean score (computed here) is > 0.
+    disagree(out, argv)
+    results = json.loads((out / "all_results.json").read_text())
     records = _read(out / "test_predictions.jsonl")
     assert [r["tokens"] for r in records] == [r["tokens"] for r in NESTED_TEST]
     assert [_spans(r["gold_entities"]) for r in records] == [_spans(r["entities"]) for r in NESTED_TEST]
@@ -256,6 +288,7 @@ def test_kfold_nested_span_models_every_type_and_fold_wise_pseudo_labels(tiny_mo
     ensemble = [_spans(r["entities"]) for r in records]
     for k in range(2):  # the mean is neither fold's own decoding (so the test tells them apart)
         assert ensemble != [positive_spans(s, types) for s in members[k]]
+    assert sum(map(len, ensemble)) > 0
     for prefix in ("oof", "test"):
         written = _read(out / f"{prefix}_predictions.jsonl")
         counted = prf([_spans(r["entities"]) for r in written], [_spans(r["gold_entities"]) for r in written])
@@ -338,3 +371,44 @@ def test_an_ensemble_of_span_and_tagging_models_is_refused_in_one_line(tiny_mode
     manifest = folder / "kfold_ensemble.json"
     assert last == f"{manifest}: the ensemble mixes members with and without a span head; train them alike"
     assert not (tmp_path / "predicted" / "all_results.json").exists()
+
+
+def test_entity_types_fix_a_span_heads_types_and_refuse_in_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    from recipe_helpers import ner_files, tiny_args
+
+    files = ner_files(tmp_path)
+
+    def last_line(args, status):
+        assert run_in_process("ner", args, monkeypatch) == status
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    out = tmp_path / "out"
+    span = ["--span_head", "global_pointer", "--span_head_size", "16", "--max_steps", "1"]
+    # A type the data holds outside the given ones, by its line.
+    line = last_line(tiny_args(tiny_model, out, *files, *span, "--entity_types", "PER", "LOC"), 1)
+    assert (
+        line == f"{tmp_path / 'train.conll'}:3: entity type 'ORG' is not one of --entity_types (types: ['LOC', 'PER'])"
+    )
+    # Token tagging has its own label flag; repeated names are refused as the field's values.
+    line = last_line(tiny_args(tiny_model, out, *files, "--entity_types", "PER"), 1)
+    assert line == "--entity_types names a span head's types; token tagging reads --tag_names"
+    line = last_line(tiny_args(tiny_model, out, *files, *span, "--entity_types", "PER", "PER"), 2)
+    assert "entity_types=['PER', 'PER'] is not allowed; give distinct non-empty names" in line
+    # A saved span model predicts its own types: other ones are refused before anything loads.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (saved / name).write_bytes((Path(tiny_model) / name).read_bytes())
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    config.update(span_head="global_pointer", span_head_size=16, id2label={"0": "PER", "1": "LOC"})
+    (saved / "config.json").write_text(json.dumps(config))
+    line = last_line(tiny_args(str(saved), out, *files, "--entity_types", "LOC", "PER"), 1)
+    assert line == (
+        f"--entity_types LOC PER: --model_name_or_path {saved} predicts the types PER LOC (in this order); drop "
+        "--entity_types or give those"
+    )
+    # The given order is the model's id order.
+    assert run_in_process("ner", tiny_args(tiny_model, out, *files, *span, "--entity_types", "PER", "ORG", "LOC"),
+                          monkeypatch) == 0  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "PER", "1": "ORG", "2": "LOC"}
