@@ -42,10 +42,10 @@ Features:
 - ``--span_head global_pointer`` (or ``efficient_global_pointer``): a span head instead of token tagging
   (docs/heads.md): every span of words scored per entity type, so entities may nest. Nested data is JSON lines
   ``{"tokens": [...], "entities": [{"start": i, "end": j, "type": "PER"}]}`` (word indices, ``end`` exclusive);
-  tagged files are read as above, their tags turned into spans. Metrics are exact-span P / R / F1 (micro and per
-  type; seqeval's on flat data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to
-  ``test_predictions.txt`` as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its
-  head and settings.
+  tagged files are read as above, their tags turned into spans; the entity types are the training data's, sorted,
+  or ``--entity_types`` in that order. Metrics are exact-span P / R / F1 (micro and per type; seqeval's on flat
+  data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to ``test_predictions.txt``
+  as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its head and settings.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
@@ -167,6 +167,14 @@ class NerDataArguments(DataArguments):
             "order (id i is the i-th name). (--label_names is the Trainer's flag for the input keys of labels.)"
         },
     )
+    entity_types: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With --span_head: the entity types, in id order (--entity_types LOC ORG PER). Default: the "
+            "training data's, sorted. A type of the data outside them is a file:line error; the k-fold runner gives "
+            "every fold the whole training split's, so a fold without some type still has it."
+        },
+    )
     max_seq_length: int = field(
         default=128,
         metadata={
@@ -189,6 +197,13 @@ class NerDataArguments(DataArguments):
             if not names or len(set(names)) != len(names):
                 raise ValueError(f"tag_names={self.tag_names} is not allowed; give distinct names, e.g. O B-PER")
             self.tag_names = names
+        if self.entity_types is not None:
+            types = [name.strip() for name in self.entity_types]
+            if not types or not all(types) or len(set(types)) != len(types):
+                raise ValueError(
+                    f"entity_types={self.entity_types} is not allowed; give distinct non-empty names, e.g. LOC ORG PER"
+                )
+            self.entity_types = types
 
 
 # ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
@@ -703,10 +718,10 @@ def load_span_splits(data) -> dict[str, tuple[object, str]]:
     )
 
 
-def read_span_data(data_args: NerDataArguments, types: list[str] | None = None):
+def read_span_data(data_args: NerDataArguments, types: list[str] | None = None, known_from: str | None = None):
     """``(splits, types, train_examples, eval_examples)`` for a span head: :func:`read_data`'s counterpart. The
-    entity types are ``types`` (a saved span model's) or the training data's, sorted; a validation / test type
-    outside them is a ``file:line`` error."""
+    entity types are ``types`` (a saved span model's, or ``--entity_types``: ``known_from`` names where they come
+    from) or the training data's, sorted; a type of the data outside them is a ``file:line`` error."""
     splits = load_span_splits(data_args)
     train_source = splits["train"][1]
     if types is None:
@@ -720,7 +735,7 @@ def read_span_data(data_args: NerDataArguments, types: list[str] | None = None):
             raise DataError(train_source, None, "no entity in the training data; a span head needs at least one type")
     for split in ("train", "validation", "test"):
         if split in splits:
-            check_entity_types(splits[split][0], types, splits[split][1])
+            check_entity_types(splits[split][0], types, splits[split][1], known_from)
     train = first_rows(splits["train"][0], data_args.max_train_samples)
     return splits, types, train, eval_splits(splits, data_args.max_eval_samples)
 
@@ -742,37 +757,59 @@ def encode_span_batch(batch: dict, tokenizer, type2id: dict, max_seq_length: int
     return encoded
 
 
+def _tokenize_spans(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> Dataset:
+    """Span examples tokenized by :func:`encode_span_batch`, with each sentence's word coverage columns."""
+    dataset = as_dataset(examples)
+    if len(dataset) == 0:
+        columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
+        return Dataset.from_dict({name: [] for name in columns})
+    return dataset.map(
+        encode_span_batch,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "type2id": {kind: i for i, kind in enumerate(types)},
+            "max_seq_length": data_args.max_seq_length,
+        },
+        remove_columns=dataset.column_names,
+        **map_options(data_args, "Running tokenizer on dataset"),
+    )
+
+
+_COVERAGE = ["seen_words", "cut_words", "empty_words", "num_words"]
+
+
+def span_eval_set(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> tuple[NerEvalSet, int]:
+    """``(eval set, most words)``: a split of span examples tokenized for prediction and scoring, and the most seen
+    words of one of its sentences (what the length guard checks)."""
+    tokenized = _tokenize_spans(examples, tokenizer, types, data_args)
+    seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
+    eval_set = NerEvalSet(examples, tokenized.remove_columns(_COVERAGE), seen_words, *coverage_counts(tokenized))
+    return eval_set, _most_words(tokenized)
+
+
 def tokenize_span_data(data_args: NerDataArguments, tokenizer, types: list[str], train_examples, eval_examples):
     """``(train_dataset, eval_sets, truncation record, most words)``: :func:`tokenize_data` for a span head."""
-    type2id = {kind: i for i, kind in enumerate(types)}
-
-    def tokenize(examples):
-        dataset = as_dataset(examples)
-        if len(dataset) == 0:
-            columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
-            return Dataset.from_dict({name: [] for name in columns})
-        return dataset.map(
-            encode_span_batch,
-            fn_kwargs={"tokenizer": tokenizer, "type2id": type2id, "max_seq_length": data_args.max_seq_length},
-            remove_columns=dataset.column_names,
-            **map_options(data_args, "Running tokenizer on dataset"),
-        )
-
-    coverage = ["seen_words", "cut_words", "empty_words", "num_words"]
-    tokenized = tokenize(train_examples)
+    tokenized = _tokenize_spans(train_examples, tokenizer, types, data_args)
     most_words = _most_words(tokenized)
     train_cut, train_empty, _ = coverage_counts(tokenized)
-    train_dataset = tokenized.remove_columns(coverage)
+    train_dataset = tokenized.remove_columns(_COVERAGE)
     eval_sets = {}
     for split, examples in eval_examples.items():
-        tokenized = tokenize(examples)
-        most_words = max(most_words, _most_words(tokenized))
-        seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
-        eval_sets[split] = NerEvalSet(
-            examples, tokenized.remove_columns(coverage), seen_words, *coverage_counts(tokenized)
-        )
+        eval_sets[split], words = span_eval_set(examples, tokenizer, types, data_args)
+        most_words = max(most_words, words)
     record = ner_truncation_record((train_cut, train_empty), eval_sets, data_args.max_seq_length)
     return train_dataset, eval_sets, record, most_words
+
+
+def check_span_length(most_words: int, training_args: TricksArguments, data_args: NerDataArguments) -> None:
+    """The span head's length guard over the data, before any training or prediction: one line naming the limit."""
+    if most_words > training_args.span_head_max_words:
+        raise DataError(
+            None,
+            None,
+            f"--span_head_max_words {training_args.span_head_max_words}: a sentence has {most_words} words within "
+            f"--max_seq_length {data_args.max_seq_length}; lower --max_seq_length or raise --span_head_max_words",
+        )
 
 
 def _most_words(tokenized: Dataset) -> int:
@@ -805,6 +842,26 @@ def saved_types(model_args: ModelArguments) -> list[str] | None:
     return [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
 
 
+def span_types(data_args: NerDataArguments, model_args: ModelArguments | None) -> tuple[list[str] | None, str | None]:
+    """``(types, where they come from)``: a saved span model's (its predictions are over those), else
+    ``--entity_types``, else ``(None, None)`` (the training data's); a saved model and other ``--entity_types``
+    are refused in one line."""
+    saved = saved_types(model_args) if model_args is not None else None
+    given = data_args.entity_types
+    if saved is not None and given is not None and saved != given:
+        raise DataError(
+            None,
+            None,
+            f"--entity_types {' '.join(given)}: --model_name_or_path {model_args.model_name_or_path} predicts the "
+            f"types {' '.join(saved)} (in this order); drop --entity_types or give those",
+        )
+    if saved is not None:
+        return saved, f"the types of --model_name_or_path {model_args.model_name_or_path}"
+    if given is not None:
+        return given, "--entity_types"
+    return None, None
+
+
 def span_word_predictions(eval_set: NerEvalSet, rows: np.ndarray, types: list[str]) -> list[list[tuple]]:
     """Each sentence's predicted entities ``(type, start, end exclusive)`` over its own words, from the Trainer's
     ``(N, K, 3)`` span rows over the seen words (-100 rows: padding)."""
@@ -831,16 +888,19 @@ def span_compute_metrics(types: list[str], eval_set: NerEvalSet) -> Callable:
     return compute_metrics
 
 
-def write_span_predictions(out: Path, eval_set: NerEvalSet, predicted: list[list[tuple]], flat: bool) -> None:
-    """``test_predictions.jsonl``: per sentence ``{"tokens", "entities": predicted, "gold_entities": gold}`` (a
-    nested data file of the predictions); with ``flat`` also ``test_predictions.txt`` (``token<TAB>gold<TAB>
-    predicted`` IOB2 tags per word, as the tagging recipe writes), when the gold entities are flat too."""
+def write_span_predictions(
+    out: Path, eval_set: NerEvalSet, predicted: list[list[tuple]], flat: bool, name: str = "test_predictions"
+) -> None:
+    """``<name>.jsonl`` (``test_predictions.jsonl``): per sentence ``{"tokens", "entities": predicted,
+    "gold_entities": gold}`` (a nested data file of the predictions); with ``flat`` also ``<name>.txt``
+    (``token<TAB>gold<TAB>predicted`` IOB2 tags per word, as the tagging recipe writes), when the gold entities are
+    flat too."""
     gold = gold_spans(eval_set)
     lines = []
     for ex, pred, ref in zip(eval_set.examples, predicted, gold):
         record = {"tokens": ex["tokens"], "entities": _entity_list(pred), "gold_entities": _entity_list(ref)}
         lines.append(json.dumps(record, ensure_ascii=False))
-    (out / "test_predictions.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     if not flat:
         return
     try:
@@ -849,10 +909,10 @@ def write_span_predictions(out: Path, eval_set: NerEvalSet, predicted: list[list
             for ex, pred, ref in zip(eval_set.examples, predicted, gold)
         ]
     except ValueError:
-        warn("--span_flat true: the test entities nest, so no test_predictions.txt (IOB2 tags) is written")
+        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (IOB2 tags) is written")
         return
     blocks = ["\n".join(f"{t}\t{g}\t{p}" for t, g, p in zip(*sentence)) + "\n" for sentence in tags]
-    (out / "test_predictions.txt").write_text("\n".join(blocks), encoding="utf-8")
+    (out / f"{name}.txt").write_text("\n".join(blocks), encoding="utf-8")
 
 
 def _entity_list(spans) -> list[dict]:
@@ -863,20 +923,15 @@ def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_
     """The recipe with ``--span_head``: the same flow as :func:`main` over span examples (nested files welcome)."""
     if data_args.label_all_tokens:
         raise DataError(None, None, "--label_all_tokens labels sub-tokens with tags; a span head scores whole words")
+    types, known_from = span_types(data_args, model_args)
     with training_args.main_process_first(desc="reading the data"):
-        splits, types, train_examples, eval_examples = read_span_data(data_args, saved_types(model_args))
+        splits, types, train_examples, eval_examples = read_span_data(data_args, types, known_from)
     model, tokenizer = load_span_classifier(model_args, types)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_sets, truncation, most_words = tokenize_span_data(
             data_args, tokenizer, types, train_examples, eval_examples
         )
-    if most_words > training_args.span_head_max_words:
-        raise DataError(
-            None,
-            None,
-            f"--span_head_max_words {training_args.span_head_max_words}: a sentence has {most_words} words within "
-            f"--max_seq_length {data_args.max_seq_length}; lower --max_seq_length or raise --span_head_max_words",
-        )
+    check_span_length(most_words, training_args, data_args)
     split_metrics = {split: span_compute_metrics(types, eval_set) for split, eval_set in eval_sets.items()}
     record = {**data_record(splits, types), **truncation}
     if "validation" not in eval_sets:
@@ -922,6 +977,8 @@ def main() -> None:
     )
     if training_args.span_head is not None:
         return span_main(data_args, model_args, training_args)
+    if data_args.entity_types is not None:
+        raise DataError(None, None, "--entity_types names a span head's types; token tagging reads --tag_names")
     check_no_span_files(data_args)
 
     # ---- Data: read everything (and fail on bad input) before any training ----

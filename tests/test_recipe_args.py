@@ -136,7 +136,7 @@ def test_start_recipe_sets_the_seed_and_guards_the_output_dir(tmp_path):
     drawn = torch.rand(4)
     torch.manual_seed(123)
     assert torch.equal(drawn, torch.rand(4))
-    out.mkdir()
+    out.mkdir(exist_ok=True)  # the first start locked (and so created) the folder
     (out / "all_results.json").write_text("{}")
     with pytest.raises(DataError, match="holds the results of an earlier run"):
         start_recipe(NER_TYPES, "ner", argv=["--output_dir", str(out)], description=None)

@@ -179,16 +179,18 @@ def _nested_record(path, record: dict, tokens_field: str, entities_field: str) -
     return {"tokens": tokens, "entities": _entity_dicts(spans), "line": line}
 
 
-def check_entity_types(examples: Iterable[dict], types: Sequence[str], source: str | Path) -> None:
-    """Refuse an entity type that the training data never has (one :class:`DataError` naming its line)."""
+def check_entity_types(
+    examples: Iterable[dict], types: Sequence[str], source: str | Path, known_from: str | None = None
+) -> None:
+    """Refuse an entity type outside ``types`` (one :class:`DataError` naming its line): types the training data
+    never has, or, with ``known_from`` (``"--entity_types"``, ``"the model's types"``), types it does not name."""
     known = set(types)
     for ex in examples:
         for entity in ex["entities"]:
             if entity["type"] not in known:
+                why = "does not occur in the training data" if known_from is None else f"is not one of {known_from}"
                 raise DataError(
-                    source,
-                    ex.get("line"),
-                    f"entity type {entity['type']!r} does not occur in the training data (types: {sorted(known)})",
+                    source, ex.get("line"), f"entity type {entity['type']!r} {why} (types: {sorted(known)})"
                 )
 
 
