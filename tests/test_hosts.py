@@ -25,6 +25,14 @@ COMMON = dict(
 )  # fmt: skip
 
 
+import importlib.util
+
+# The trl tests skip, saying why, where trl is not installed (the floors end of CI tests without the hosts extra).
+needs_trl = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e '.[hosts]')"
+)
+
+
 def _needs(module: str):
     return pytest.importorskip(module, reason=f"{module} is not installed (pip install -e '.[hosts]')")
 
@@ -67,6 +75,7 @@ def _sft(cls, **kwargs):
 SFT_METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate")
 
 
+@needs_trl
 def test_sft_with_no_trick_is_the_host(tmp_path):
     from trl import SFTTrainer
 
@@ -76,6 +85,7 @@ def test_sft_with_no_trick_is_the_host(tmp_path):
     assert _same_weights(ours.model, host.model)
 
 
+@needs_trl
 def test_sft_fgm_logs_the_attack_and_the_hosts_metrics_of_the_clean_pass():
     from trl import SFTTrainer
 
@@ -88,6 +98,7 @@ def test_sft_fgm_logs_the_attack_and_the_hosts_metrics_of_the_clean_pass():
     assert [e["num_tokens"] for e in logs] == [e["num_tokens"] for e in plain]  # not doubled by the attack's pass
 
 
+@needs_trl
 def test_a_users_penalty_counts_once_per_step_on_a_host():
     """SGD is linear in the gradient: a constant c * ||W||^2 on the clean pass of each of 2 micro-batches moves W by
     -lr * 2c * W0 once (the host normalises its loss by the step's token count)."""
@@ -114,6 +125,7 @@ def test_a_users_penalty_counts_once_per_step_on_a_host():
     torch.testing.assert_close(diff, -0.5 * 2 * 0.1 * w0, rtol=1e-4, atol=1e-6)  # float32 SGD round-off
 
 
+@needs_trl
 def test_sft_ema_is_the_saved_model(tmp_path):
     from trl import SFTTrainer
 
@@ -130,6 +142,7 @@ def test_sft_ema_is_the_saved_model(tmp_path):
         torch.testing.assert_close(saved[name].float(), value, rtol=0, atol=0, msg=name)
 
 
+@needs_trl
 def test_sft_layer_decay_and_head_lr_scale_the_hosts_groups():
     from trl import SFTTrainer
 
@@ -162,6 +175,7 @@ def test_sft_layer_decay_and_head_lr_scale_the_hosts_groups():
     assert seen == sum(1 for p in trainer.model.parameters() if p.requires_grad)
 
 
+@needs_trl
 def test_a_loss_trick_on_a_host_is_refused_in_one_line():
     from trl import SFTTrainer
 
@@ -197,6 +211,7 @@ def _dpo(cls, **kwargs):
 DPO_METRICS = ("loss", "rewards/margins", "rewards/chosen", "logps/chosen", "num_tokens")
 
 
+@needs_trl
 def test_dpo_with_no_trick_is_the_host_and_fgm_keeps_the_clean_passs_rewards():
     from trl import DPOTrainer
 
@@ -225,6 +240,7 @@ def _reward(cls, **kwargs):
     return trainer
 
 
+@needs_trl
 def test_reward_trainer_fgm_keeps_the_clean_passs_accuracy_and_margin():
     from trl import RewardTrainer
 
@@ -252,6 +268,7 @@ TABLE = {
 @pytest.mark.slow  # 27 tiny trainings of 2 steps
 @pytest.mark.parametrize("name", sorted(TABLE))
 @pytest.mark.parametrize("host", ["sft", "dpo", "reward"])
+@needs_trl
 def test_every_trick_of_the_docs_table_trains_on_the_trl_hosts(host, name):
     from trl import DPOTrainer, RewardTrainer, SFTTrainer
 
