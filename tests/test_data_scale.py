@@ -65,6 +65,27 @@ def test_a_bad_line_is_the_readers_error_and_leaves_no_cache(tmp_path, cache):
     assert list((cache / "nlp_tricks_data").iterdir()) == []
 
 
+def test_splits_of_a_file_are_the_lists_splits_in_files_of_their_own(tmp_path, cache):
+    from nlp_tricks.data import kfold_examples, split_examples
+
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "".join(f"row {i},{i % 3}\n" for i in range(3000)), encoding="utf-8")
+    dataset = arrow_dataset(lambda: iter_csv(path, ["text", "label"]), csv_features(), [file_signature(path)])
+    rows = read_csv(path, ["text", "label"])
+    for seed in (0, 1):
+        parts = split_examples(dataset, seed=seed)
+        # The same rows in the same order as the list's split (and as select() of the same indices would give).
+        assert [part.to_list() for part in parts] == [list(part) for part in split_examples(rows, seed=seed)]
+        # Read front to back: no indices mapping, whose rows datasets gathers one at a time.
+        assert all(part._indices is None for part in parts)
+    folds = kfold_examples(dataset, 3, 1, seed=5)
+    assert [part.to_list() for part in folds] == [list(part) for part in kfold_examples(rows, 3, 1, seed=5)]
+    # A rerun reads the copies back (same fingerprints: the tokenizations of them find their cache).
+    again = split_examples(dataset, seed=0)
+    assert [part._fingerprint for part in again] == [part._fingerprint for part in split_examples(dataset, seed=0)]
+    assert len(list((cache / "nlp_tricks_data").glob("*.arrow"))) == 1 + 3 * 2 + 3
+
+
 def test_classification_truncation_count_equals_tokenizing_every_text_whole(tokenizer, cache):
     import classification
 
