@@ -68,7 +68,7 @@ from nlp_tricks.data import (
     file_signature,
     iter_table_file,
 )
-from nlp_tricks.data.arrow import as_dataset
+from nlp_tricks.data.arrow import as_dataset, iter_rows
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
@@ -495,7 +495,7 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["label", "predicted", "text", *(["text_pair"] if pairs else [])])
-        for ex, pred in zip(examples, predictions):
+        for ex, pred in zip(iter_rows(examples), predictions):
             if isinstance(ex["label"], list):
                 gold = label_delimiter.join(ex["label"])
                 predicted = label_delimiter.join(id2label[j] for j in range(len(id2label)) if pred[j])
