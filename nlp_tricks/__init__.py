@@ -22,6 +22,7 @@ _EXPORTS = {
     "TricksConfig": ".config",
     "Trick": ".trick",
     "HOOK_RULES": ".trick",
+    "with_tricks": ".hosts",
     "focal_loss": ".functional.losses",
     "label_smoothing_cross_entropy": ".functional.losses",
     "cross_entropy": ".functional.losses",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "FreeLB": ".functional.adversarial",
     "load_crf_model": ".functional.crf",
     "load_pooled_model": ".functional.pooling",
+    "load_span_model": ".functional.spans",
 }
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "TricksConfig",
     "Trick",
     "HOOK_RULES",
+    "with_tricks",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -60,6 +63,7 @@ __all__ = [
     "FreeLB",
     "load_crf_model",
     "load_pooled_model",
+    "load_span_model",
 ]
 
 
@@ -78,6 +82,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .config import TricksArguments, TricksConfig
     from .functional.adversarial import AWP, FGM, PGD, FreeLB
+    from .functional.crf import load_crf_model
     from .functional.losses import (
         FocalLoss,
         LabelSmoothingCrossEntropy,
@@ -87,6 +92,9 @@ if TYPE_CHECKING:
         label_smoothing_cross_entropy,
         rdrop_loss,
     )
+    from .functional.pooling import load_pooled_model
+    from .functional.spans import load_span_model
+    from .hosts import with_tricks
     from .runtime.checkpoint import load_state_dict_portable
     from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer

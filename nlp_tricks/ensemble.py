@@ -14,6 +14,10 @@ Each rule takes what every member predicted and returns the ensemble's predictio
   student distils.
 - NER by entity vote: :func:`vote_entities` keeps an entity (type, first word, last word) when at least a share
   ``threshold`` of the members predict it, the alternative to averaging.
+- NER with a span head (GlobalPointer): :func:`mean_span_scores` averages the members' word-level span scores
+  ``(T, W, W)`` (raw scores, not sigmoid probabilities: see its docstring), decoded once by
+  :func:`nlp_tricks.functional.spans.decode_spans` as the members were trained (every span above 0, or the best flat
+  set); :func:`vote_spans` is the vote over their spans, nested or flat.
 
 Entities follow seqeval's default mode (conlleval): see :func:`entity_spans`.
 """
@@ -38,6 +42,8 @@ __all__ = [
     "spans_to_tags",
     "tag_scheme",
     "vote_entities",
+    "mean_span_scores",
+    "vote_spans",
 ]
 
 
@@ -275,27 +281,78 @@ def vote_entities(member_tags: Sequence[Sequence[str]], threshold: float, scheme
     when at least a share ``threshold`` of the members predict it (``count / members >= threshold``).
 
     Kept entities that overlap are resolved greedily: the one more members predict wins; on a tie the earlier, then
-    the longer, then the type that sorts first. The result is written in ``scheme`` (:func:`spans_to_tags`).
+    the longer, then the type that sorts first (:func:`vote_spans` with ``flat=True``). The result is written in
+    ``scheme`` (:func:`spans_to_tags`).
     """
-    if not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold={threshold} is not allowed; it must be in (0, 1]")
     if not member_tags:
         raise ValueError("vote_entities needs at least one member")
     lengths = {len(tags) for tags in member_tags}
     if len(lengths) != 1:
         raise ValueError(f"the members' tag sequences differ in length: {sorted(lengths)}")
+    members = [[(kind, first, last + 1) for kind, first, last in entity_spans(tags)] for tags in member_tags]
+    chosen = vote_spans(members, threshold, flat=True)
+    return spans_to_tags([(kind, start, end - 1) for kind, start, end in chosen], lengths.pop(), scheme)
+
+
+def vote_spans(
+    member_spans: Sequence[Sequence[tuple[str, int, int]]], threshold: float, flat: bool = False
+) -> list[tuple[str, int, int]]:
+    """The entities of one sentence by vote: a span ``(type, start, end exclusive)`` is kept when at least a share
+    ``threshold`` of the members predict it (``count / members >= threshold``), sorted by start, end and type.
+
+    Nested (``flat=False``), every kept span stays, as a span head predicts them. With ``flat``, kept spans that
+    overlap are resolved greedily: the one more members predict wins; on a tie the earlier, then the longer, then
+    the type that sorts first.
+    """
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold={threshold} is not allowed; it must be in (0, 1]")
+    if not member_spans:
+        raise ValueError("the vote needs at least one member")
     votes: dict[tuple[str, int, int], int] = {}
-    for tags in member_tags:
-        for span in set(entity_spans(tags)):
+    for spans in member_spans:
+        for span in set(map(tuple, spans)):
             votes[span] = votes.get(span, 0) + 1
-    members = len(member_tags)
+    members = len(member_spans)
     # A share compared with a tolerance: 2 of 3 members is "at least 2/3" however 2/3 was rounded.
     kept = [span for span, count in votes.items() if count / members >= threshold - 1e-9]
-    kept.sort(key=lambda s: (-votes[s], s[1], -(s[2] - s[1]), s[0]))
-    chosen, taken = [], set()
-    for kind, first, final in kept:
-        words = set(range(first, final + 1))
-        if not words & taken:
-            chosen.append((kind, first, final))
-            taken |= words
-    return spans_to_tags(sorted(chosen, key=lambda s: s[1]), lengths.pop(), scheme)
+    if flat:
+        kept.sort(key=lambda s: (-votes[s], s[1], -(s[2] - s[1]), s[0]))
+        chosen, taken = [], set()
+        for kind, start, end in kept:
+            words = set(range(start, end))
+            if not words & taken:
+                chosen.append((kind, start, end))
+                taken |= words
+        kept = chosen
+    return sorted(kept, key=lambda s: (s[1], s[2], s[0]))
+
+
+def mean_span_scores(member_scores: Sequence[np.ndarray]) -> np.ndarray:
+    """``(T, W, W)`` float64: per span of one sentence, the mean over the members that scored it of their span
+    scores (``span_scores``' raw values, word-level: ``[t, i, j]`` scores words ``i..j`` as type ``t``).
+
+    ``member_scores``: one ``(T, W, W)`` array per member over the sentence's own words; NaN where a member did not
+    score the span (its first or last word cut by truncation, or without a sub-token, for that member's tokenizer);
+    ``-inf`` below the diagonal stays ``-inf``. A span no member scored stays NaN (never predicted).
+
+    Raw scores, not sigmoid probabilities: the span loss (multilabel categorical cross-entropy) trains each score
+    against a threshold of 0, not each span's sigmoid against its label, so ``sigmoid(s)`` is no calibrated
+    probability to average; the flat decoding maximises the total score, so it needs scores (``logit(mean
+    sigmoid)`` saturates to infinity in floating point); and an ensemble of one model decodes exactly what that
+    model predicts. The decision is the members' own, mean score > 0 (the same as mean probability > 0.5 only for
+    one member).
+    """
+    arrays = [np.asarray(s, dtype=np.float64) for s in member_scores]
+    if not arrays:
+        raise ValueError("mean_span_scores needs at least one member")
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1 or len(arrays[0].shape) != 3 or arrays[0].shape[1] != arrays[0].shape[2]:
+        raise ValueError(f"the members' span scores must be (types, words, words) of one shape, got {sorted(shapes)}")
+    stacked = np.stack(arrays)
+    scored = ~np.isnan(stacked)
+    count = scored.sum(axis=0)
+    total = np.where(scored, stacked, 0.0).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = total / count
+    mean[count == 0] = np.nan
+    return mean

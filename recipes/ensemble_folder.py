@@ -13,6 +13,9 @@ label list and the rule that combines them (``nlp_tricks.ensemble``):
   of the members' softmax probabilities; members with a CRF: their mean word emissions and mean start / transition /
   end scores, decoded once by Viterbi; with ``--ensemble_vote T`` at k-fold time: the entities at least a share T of
   the members predict.
+- NER with a span head (``--span_head``): per span of words and type, the mean of the members' raw span scores
+  (word-level, first sub-tokens), decoded once as the members were trained (every span with mean score > 0, or with
+  ``span_flat`` the non-overlapping set with the highest total); ``--ensemble_vote T`` votes on their spans.
 
 Each member is loaded with its own tokenizer and predicts each split in turn (one model in memory at a time), with
 the recipe's collator and ``--per_device_eval_batch_size``, so a member predicts exactly what it predicts alone. The
@@ -39,11 +42,13 @@ from nlp_tricks.ensemble import (
     crf_marginals,
     mean_crf,
     mean_probabilities,
+    mean_span_scores,
     mean_word_probabilities,
     softmax,
     tag_scheme,
     viterbi,
     vote_entities,
+    vote_spans,
 )
 
 MANIFEST = "kfold_ensemble.json"
@@ -110,11 +115,15 @@ class MemberOutput:
         word_logits (`list[np.ndarray]`, *optional*): NER, per sentence ``(W, C)`` float32: each word's first
             sub-token's logits (its CRF emissions), NaN rows for the words the member could not see.
         potentials (`tuple`, *optional*): NER with a CRF, its ``(start, transitions, end)`` scores.
+        span_scores (`list[np.ndarray]`, *optional*): NER with a span head, per sentence ``(T, W, W)`` float32 over
+            its own words: ``[t, i, j]`` the raw score of words ``i..j`` as type ``t``, ``-inf`` below the diagonal,
+            NaN where the member could not see word ``i`` or ``j``.
     """
 
     logits: np.ndarray | None = None
     word_logits: list[np.ndarray] | None = None
     potentials: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    span_scores: list[np.ndarray] | None = None
 
 
 def prediction_args(training_args, output_dir: str | Path):
@@ -199,7 +208,7 @@ class EnsembleTask:
     def read_eval_splits(self, data_args, labels: list[str]) -> tuple[dict[str, list[dict]], dict[str, str]]:
         """``({split: examples}, {split: source})`` of validation and test: the files given (no training file is
         needed), else the recipe's own split of its data; every gold label checked against ``labels``."""
-        from common import check_split_labels, eval_splits
+        from common import eval_splits
 
         files = {s: getattr(data_args, f"{s}_file") for s in ("validation", "test") if getattr(data_args, f"{s}_file")}
         if data_args.train_file is None and files:
@@ -212,9 +221,15 @@ class EnsembleTask:
             splits = self.load_splits(data_args)
         for split in ("validation", "test"):
             if split in splits:
-                check_split_labels(splits[split][0], self.label_key, labels, splits[split][1])
+                self.check_labels(splits[split][0], labels, splits[split][1])
         examples = {split: list(rows) for split, rows in eval_splits(splits, data_args.max_eval_samples).items()}
         return examples, {split: splits[split][1] for split in examples}
+
+    def check_labels(self, examples, labels: list[str], source: str) -> None:
+        """Refuse a gold label outside ``labels`` (one ``file:line`` error)."""
+        from common import check_split_labels
+
+        check_split_labels(examples, self.label_key, labels, source)
 
     # Per task: load_splits, load_member, predict, combine, member_predictions, soft_targets, write, score, read.
 
@@ -230,7 +245,11 @@ class NerEnsembleTask(EnsembleTask):
 
         recipe = self.recipe
         return {
-            "dependent_defaults": saved_crf_defaults("model_name_or_path"),
+            # As the recipe parses them: a saved span model keeps its span settings, a saved CRF model its CRF.
+            "dependent_defaults": [
+                recipe.saved_span_defaults("model_name_or_path"),
+                saved_crf_defaults("model_name_or_path"),
+            ],
             "evidence_defaults": recipe.EVIDENCE_DEFAULTS,
         }
 
@@ -351,6 +370,152 @@ class NerEnsembleTask(EnsembleTask):
         return [g for g, _ in sentences], [p for _, p in sentences]
 
 
+class NerSpanEnsembleTask(NerEnsembleTask):
+    """NER members with a span head (``--span_head``): their word-level span scores averaged, decoded once.
+
+    Args:
+        flat (`bool`): whether the members decode flat entities (``span_flat``, as they were trained); every member
+            must say the same.
+    """
+
+    predictions_file = "test_predictions.jsonl"
+    metrics = ("f1", "precision", "recall")
+    label_key = "entities"
+
+    def __init__(self, flat: bool):
+        self.flat = bool(flat)
+
+    def load_splits(self, data_args):
+        return self.recipe.load_span_splits(data_args)
+
+    def check_labels(self, examples, labels: list[str], source: str) -> None:
+        from nlp_tricks.data.spans import check_entity_types
+
+        check_entity_types(examples, labels, source, "the ensemble's types")
+
+    def load_member(self, folder: Path, model_args, labels: list[str]):
+        """A member saved with its span head (``load_span_model``), checked: its types and its decoding are the
+        ensemble's."""
+        recipe = self.recipe
+        saved = recipe.saved_span_head(str(folder))
+        if saved is None:
+            raise DataError(folder, None, "not a span model (no span_head in its config.json); train members alike")
+        if bool(saved.get("span_flat", False)) != self.flat:
+            raise DataError(
+                folder,
+                None,
+                f"span_flat={bool(saved.get('span_flat', False))}, the other members {self.flat}; train members alike",
+            )
+        member_args = dataclasses.replace(model_args, model_name_or_path=str(folder), tokenizer_name=None)
+        types = recipe.saved_types(member_args)
+        if types != list(labels):
+            raise DataError(folder, None, f"its entity types {types} are not the ensemble's {list(labels)}")
+        return recipe.load_span_classifier(member_args, types)
+
+    def predict(self, model, tokenizer, examples: list[dict], labels: list[str], data_args, args) -> MemberOutput:
+        """Each sentence's ``(T, W, W)`` span scores over its own words (NaN where the member cannot see a word)."""
+        recipe = self.recipe
+        # Sentences without entities (unlabelled text) get none: the label rows then only mark the first sub-tokens.
+        rows = [ex if "entities" in ex else {**ex, "entities": []} for ex in examples]
+        eval_set, most_words = recipe.span_eval_set(rows, tokenizer, labels, data_args)
+        recipe.check_span_length(most_words, args, data_args)
+        blocks = _span_scores(model, tokenizer, eval_set.dataset, args) if rows else []
+        out = []
+        for ex, seen, block in zip(rows, eval_set.seen_words, blocks):
+            if block.shape[1] != len(seen):
+                raise RuntimeError(f"{block.shape[1]} scored words for {len(seen)} seen words")
+            words = len(ex["tokens"])
+            scores = np.full((len(labels), words, words), np.nan, dtype=np.float32)
+            index = np.asarray(seen, dtype=np.int64)
+            scores[:, index[:, None], index[None, :]] = block
+            out.append(scores)
+        return MemberOutput(span_scores=out)
+
+    def _decode(self, scores: np.ndarray, labels: list[str]) -> list[tuple[str, int, int]]:
+        import torch
+
+        from nlp_tricks.functional.spans import decode_spans
+
+        values = torch.from_numpy(np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=-np.inf))
+        return [(labels[t], start, end) for t, start, end in decode_spans(values[None], flat=self.flat)[0]]
+
+    def member_predictions(self, output: MemberOutput, labels: list[str]) -> list[list[tuple[str, int, int]]]:
+        """One member's own entities per sentence, decoded as it decodes them alone."""
+        return [self._decode(scores, labels) for scores in output.span_scores]
+
+    def combine(self, outputs: list[MemberOutput], labels: list[str], vote: float | None = None) -> list[list]:
+        """The ensemble's entities per sentence: the mean span scores decoded once, or by span vote with ``vote``."""
+        if vote is not None:
+            members = [self.member_predictions(o, labels) for o in outputs]
+            return [vote_spans([m[i] for m in members], vote, self.flat) for i in range(len(members[0]))]
+        return [
+            self._decode(mean_span_scores([o.span_scores[i] for o in outputs]), labels)
+            for i in range(len(outputs[0].span_scores))
+        ]
+
+    def soft_targets(self, outputs: list[MemberOutput]) -> list[np.ndarray]:
+        raise NotImplementedError("span heads take no soft targets (teacher_logits)")
+
+    def write(self, path: Path, examples: list[dict], predictions: list[list], data_args) -> None:
+        """The span recipe's files: ``<name>.jsonl`` and, flat, ``<name>.txt`` (IOB2 tags)."""
+        path = Path(path)
+        self.recipe.write_span_predictions(
+            path.parent, SimpleNamespace(examples=examples), predictions, self.flat, name=path.stem
+        )
+
+    def score(self, gold: list[list], predicted: list[list], labels: list[str]) -> dict[str, float]:
+        """The span recipe's metrics (exact-span P / R / F1, micro and per type)."""
+        from nlp_tricks.metrics.spans import span_f1
+
+        scores = span_f1(predicted, gold)
+        return {
+            **{key: float(scores[key]) for key in ("precision", "recall", "f1")},
+            **self.recipe.entity_scores(scores),
+        }
+
+    def gold(self, examples: list[dict]) -> list[list[tuple[str, int, int]]]:
+        return [[(e["type"], e["start"], e["end"]) for e in ex["entities"]] for ex in examples]
+
+    def read(self, path: Path) -> tuple[list, list]:
+        """``(gold, predicted)`` spans of a ``.jsonl`` predictions file, per sentence."""
+        records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        spans = [
+            [[(e["type"], e["start"], e["end"]) for e in r[key]] for r in records]
+            for key in ("gold_entities", "entities")
+        ]
+        return spans[0], spans[1]
+
+
+def _span_scores(model, tokenizer, dataset, args) -> list[np.ndarray]:
+    """Per sentence of ``dataset`` (span label rows marking its words), its ``(T, n, n)`` span scores over its ``n``
+    seen words, float32: the span head's own ``span_scores``, batch by batch with the recipe's collator and
+    ``--per_device_eval_batch_size``, in the recipe's autocast. Every process predicts the whole split (scores of
+    sentences of any length are kept as they are, never padded to the longest)."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import Trainer
+
+    from nlp_tricks.data.spans import SpanCollator
+    from nlp_tricks.functional.outputs import output_logits
+    from nlp_tricks.functional.spans import span_scores, word_positions_of
+
+    collator = SpanCollator(tokenizer, pad_to_multiple_of=8)
+    trainer = Trainer(model=model, args=args, data_collator=collator, processing_class=tokenizer)
+    model = trainer.model.to(args.device).eval()
+    loader = DataLoader(dataset, batch_size=args.eval_batch_size, collate_fn=collator, shuffle=False)
+    out = []
+    for batch in loader:
+        labels = batch.pop("labels").to(args.device)
+        inputs = {key: value.to(args.device) for key, value in batch.items()}
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            logits = output_logits(model(**inputs))
+            positions = word_positions_of(labels)
+            scores = span_scores(model, logits, positions).float().cpu()
+        for b, n in enumerate((positions >= 0).sum(dim=1).tolist()):
+            out.append(scores[b, :, :n, :n].numpy())
+    return out
+
+
 class ClassificationEnsembleTask(EnsembleTask):
     name = "classification"
     predictions_file = "test_predictions.csv"
@@ -430,6 +595,26 @@ class ClassificationEnsembleTask(EnsembleTask):
 
 
 TASKS: dict[str, EnsembleTask] = {"ner": NerEnsembleTask(), "classification": ClassificationEnsembleTask()}
+
+
+def task_of_members(recipe: str, folder: str | Path, members: list[str]) -> EnsembleTask:
+    """The task that combines an ensemble folder's members: the recipe's, or for NER members saved with a span head
+    :class:`NerSpanEnsembleTask` decoding as they do; members of both kinds, or flat and nested, are refused."""
+    task = TASKS[recipe]
+    if recipe != "ner":
+        return task
+    saved = [task.recipe.saved_span_head(str(Path(folder) / member)) for member in members]
+    if all(settings is None for settings in saved):
+        return task
+    manifest = Path(folder) / MANIFEST
+    if any(settings is None for settings in saved):
+        raise DataError(manifest, None, "the ensemble mixes members with and without a span head; train them alike")
+    flats = {bool(settings.get("span_flat", False)) for settings in saved}
+    if len(flats) != 1:
+        raise DataError(
+            manifest, None, "the ensemble mixes span members that decode flat (span_flat) and nested; train them alike"
+        )
+    return NerSpanEnsembleTask(flats.pop())
 
 
 def predict_members(
@@ -514,6 +699,7 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
             None, None, f"--model_name_or_path {folder}: a single-label k-fold ensemble; drop --multi_label"
         )
     manifest = read_manifest(folder, recipe)
+    task = task_of_members(recipe, folder, manifest["members"])
     labels = manifest["labels"]
     out = Path(training_args.output_dir)
     prepare_output_dir(out, data_args.overwrite_output_dir, reads=(folder,))

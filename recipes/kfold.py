@@ -16,9 +16,11 @@ Then, in ``DIR``:
   it, in the recipe's predictions format (classification also ``oof_probabilities.npy``); ``folds.json`` says which
   fold held out which example.
 - ``test_predictions.*``: the ensemble's predictions (``nlp_tricks.ensemble``: the mean of the folds' probabilities;
-  NER by word, with a CRF the mean emissions and scores decoded once by Viterbi, or ``--ensemble_vote T``), and for
-  classification ``test_probabilities.npy`` (float32, one row per test example in file order, columns in the order
-  of ``fold0/config.json``'s ``id2label``) here and in every ``fold{k}/``.
+  NER by word, with a CRF the mean emissions and scores decoded once by Viterbi, with a span head
+  (``--span_head`` after ``--``) the mean word-level span scores decoded once, flat or nested as the folds were
+  trained; or ``--ensemble_vote T``), and for classification ``test_probabilities.npy`` (float32, one row per test
+  example in file order, columns in the order of ``fold0/config.json``'s ``id2label``) here and in every
+  ``fold{k}/``.
 - ``all_results.json``: ``oof_<metric>``, ``test_<metric>``, ``fold_test_<metric>`` (one per fold) and
   ``fold_test_<metric>_mean``, each recomputed from the predictions files written, and the wall times.
 - ``kfold_ensemble.json``: the manifest that makes ``DIR`` an ensemble the recipes predict with
@@ -59,6 +61,7 @@ from ensemble_folder import (
     TASKS,
     EnsembleTask,
     MemberOutput,
+    NerSpanEnsembleTask,
     predict_members,
     prediction_args,
     rescore,
@@ -79,6 +82,7 @@ RUNNER_FLAGS = (
     "max_eval_samples",
     "split_seed",
     "tag_names",
+    "entity_types",
 )
 # Recipe flags that contradict a k-fold run.
 REFUSED_FLAGS = {
@@ -121,12 +125,23 @@ def strip_flags(flags: list[str], names) -> list[str]:
 # ---- Data ---------------------------------------------------------------------------------------------------------
 
 
-def read_training_data(task: EnsembleTask, data_args) -> dict:
+def is_span_task(task: EnsembleTask) -> bool:
+    return isinstance(task, NerSpanEnsembleTask)
+
+
+def read_training_data(task: EnsembleTask, data_args, model_args=None) -> dict:
     """The recipe's training split and test split as lists, and the label list every fold uses: NER's from the
-    whole training split (passed to each fold as ``--tag_names``), classification's from the training examples
-    (stratified folds give every fold each of them); a test label outside it is a ``file:line`` error here."""
+    whole training split (passed to each fold as ``--tag_names``; a span head's entity types as
+    ``--entity_types``), classification's from the training examples (stratified folds give every fold each of
+    them); a test label outside it is a ``file:line`` error here."""
     recipe = task.recipe
-    splits, labels, train_examples, eval_examples = recipe.read_data(data_args)
+    if is_span_task(task):
+        # The types of a saved span model, or --entity_types, or the whole training split's: --entity_types of
+        # every fold, so a fold whose training part lacks a type still has it.
+        types, known_from = recipe.span_types(data_args, model_args)
+        splits, labels, train_examples, eval_examples = recipe.read_span_data(data_args, types, known_from)
+    else:
+        splits, labels, train_examples, eval_examples = recipe.read_data(data_args)
     train = [dict(ex) for ex in train_examples]
     test = [dict(ex) for ex in eval_examples["test"]] if "test" in eval_examples else None
     if task.name == "classification":
@@ -143,6 +158,9 @@ def read_training_data(task: EnsembleTask, data_args) -> dict:
 
 def example_record(task: EnsembleTask, ex: dict, data_args, example_id) -> dict:
     """One example as a JSON-lines record the recipe reads with the user's column flags, with its ``id``."""
+    if is_span_task(task):  # the span recipe's nested JSON lines: word indices, end exclusive
+        entities = [{"start": e["start"], "end": e["end"], "type": e["type"]} for e in ex["entities"]]
+        return {"id": example_id, data_args.tokens_column: ex["tokens"], "entities": entities}
     if task.name == "ner":
         return {"id": example_id, data_args.tokens_column: ex["tokens"], data_args.tags_column: ex["ner_tags"]}
     record = {"id": example_id, data_args.text_column: ex["text"], data_args.label_column: ex["label"]}
@@ -230,6 +248,8 @@ class KFold:
         self.data_args, self.model_args, self.training_args = task.parse(
             strip_flags(recipe_flags, ("output_dir", "max_time")) + ["--output_dir", str(self.out)]
         )
+        if task.name == "ner" and self.training_args.span_head is not None:
+            self.task = NerSpanEnsembleTask(self.training_args.span_flat)
 
     def round_dir(self, r: int) -> Path:
         return self.out if r == self.rounds else self.out / f"round{r}"
@@ -239,14 +259,14 @@ class KFold:
     def prepare(self) -> None:
         """Read the data, cut the folds, write the files every fold reads; refuse bad input in one line."""
         task, data_args, k = self.task, self.data_args, self.args.folds
-        data = read_training_data(task, data_args)
+        data = read_training_data(task, data_args, self.model_args)
         self.train, self.test, self.labels, self.sources = data["train"], data["test"], data["labels"], data["sources"]
         stratify = [ex["label"] for ex in self.train] if task.name == "classification" else None
         try:
             self.fold_of = kfold_assignment(len(self.train), k, self.args.split_seed, stratify)
         except ValueError as err:
             raise DataError(self.sources["train"], None, f"--folds {k}: {err}") from None
-        if task.name == "ner":
+        if task.name == "ner" and not is_span_task(task):
             bad = [label for label in self.labels if "," in label]
             if bad:
                 raise DataError(self.sources["train"], None, f"tag {bad[0]!r} holds a comma, which --tag_names splits")
@@ -293,7 +313,9 @@ class KFold:
         ]
         if self.test is not None:
             flags += ["--test_file", str(self.data_dir / "test.jsonl")]
-        if self.task.name == "ner":
+        if is_span_task(self.task):
+            flags += ["--entity_types", *self.labels]
+        elif self.task.name == "ner":
             flags += ["--tag_names", *self.labels]
         return flags
 
@@ -412,6 +434,9 @@ class KFold:
             return "mean of the folds' probabilities"
         if self.args.ensemble_vote is not None:
             return f"entity vote: kept by at least {self.args.ensemble_vote:g} of the folds"
+        if is_span_task(self.task):
+            decoding = "flat: the non-overlapping spans of highest total" if self.task.flat else "nested"
+            return f"mean of the folds' span scores (word-level), decoded once ({decoding}, mean score > 0)"
         first = next(iter(outputs[0].values()))
         if first.potentials is not None:
             return "CRF: mean word emissions and mean start / transition / end scores, one Viterbi decoding"
@@ -425,13 +450,16 @@ class KFold:
         from nlp_tricks.ensemble import crf_with_scores
         from nlp_tricks.self_training import classification_pseudo_labels, ner_pseudo_labels
 
-        from common import write_json_atomic
-
         task, threshold = self.task, self.args.confidence_threshold
         self_training_task = task.recipe.NER_TASK if task.name == "ner" else task.recipe.CLASSIFICATION_TASK
         per_fold, stats = [], []
         for fold in range(self.args.folds):
             output: MemberOutput = predicted["outputs"][fold]["unlabeled"]
+            if is_span_task(task):
+                records = self.span_pseudo_labels(output)
+                per_fold.append(records)
+                stats.append(self.pseudo_label_stat(r, fold, len(records)))
+                continue
             if task.name == "ner":
                 rows = [np.flatnonzero(~np.isnan(w).any(axis=-1)) for w in output.word_logits]
                 crf = crf_with_scores(*output.potentials) if output.potentials is not None else None
@@ -444,21 +472,45 @@ class KFold:
             records = [
                 example_record(task, ex, self.data_args, f"unlabeled{i}") for i, ex in zip(pseudo.indices, examples)
             ]
-            teacher = self.round_dir(r) / f"fold{fold}"
-            stat = {
-                "fold": fold,
-                "teacher": str(teacher.relative_to(self.out)),
-                "teacher_round": r,
-                "teacher_fold": fold,
-                "unlabeled": len(self.unlabeled),
-                "kept": len(records),
-                "confidence_threshold": threshold,
-                "unlabeled_file": str(self.args.unlabeled_file),
-            }
-            write_json_atomic(self.data_dir / f"round{r + 1}_fold{fold}_pseudo_labels.json", stat)
             per_fold.append(records)
-            stats.append(stat)
+            stats.append(self.pseudo_label_stat(r, fold, len(records)))
         return per_fold, stats
+
+    def pseudo_label_stat(self, r: int, fold: int, kept: int) -> dict:
+        """The provenance file of fold ``fold``'s pseudo-labels for round ``r + 1`` (written), and its record."""
+        from common import write_json_atomic
+
+        teacher = self.round_dir(r) / f"fold{fold}"
+        stat = {
+            "fold": fold,
+            "teacher": str(teacher.relative_to(self.out)),
+            "teacher_round": r,
+            "teacher_fold": fold,
+            "unlabeled": len(self.unlabeled),
+            "kept": kept,
+            "confidence_threshold": self.args.confidence_threshold,
+            "unlabeled_file": str(self.args.unlabeled_file),
+        }
+        write_json_atomic(self.data_dir / f"round{r + 1}_fold{fold}_pseudo_labels.json", stat)
+        return stat
+
+    def span_pseudo_labels(self, output: MemberOutput) -> list[dict]:
+        """F labelled by one span model: each sentence with the entities it decodes alone (flat or nested, as it
+        was trained), cut after the last word it saw (truncation cut the rest); a sentence it saw no word of is
+        left out."""
+        records = []
+        spans = self.task.member_predictions(output, self.labels)
+        for i, (ex, scores, found) in enumerate(zip(self.unlabeled, output.span_scores, spans)):
+            seen = np.flatnonzero(~np.isnan(np.diagonal(scores, axis1=1, axis2=2)).any(axis=0))
+            if not len(seen):
+                continue
+            n = int(seen[-1]) + 1
+            example = {
+                "tokens": ex["tokens"][:n],
+                "entities": [{"type": t, "start": a, "end": b} for t, a, b in found],
+            }
+            records.append(example_record(self.task, example, self.data_args, f"unlabeled{i}"))
+        return records
 
     # ---- The student ----
 
@@ -682,6 +734,17 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
             kfold = KFold(args, TASKS[args.recipe], recipe_flags, executor=executor)
             if kfold.training_args.do_train is False:
                 parser.error("--do_train false after --: every fold trains")
+            span_head = kfold.training_args.span_head if args.recipe == "ner" else None
+            if span_head is not None and args.distill:
+                parser.error(
+                    f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
+                    "(teacher_logits), which a span head does not take; drop --distill"
+                )
+            if span_head is not None and args.confidence_threshold > 0:
+                parser.error(
+                    f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores "
+                    "are not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
+                )
             results = kfold.run_all()
     except (DataError, FoldFailed, sweep.SweepError) as err:
         print(f"kfold: {err}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """nlp_tricks.ensemble's rules against the rules written out: the mean of probabilities, the mean over the members
 that saw a word, Viterbi and marginals of the mean CRF by enumerating every tag path, entities as seqeval reads them,
-entity votes; and the fold assignment of nlp_tricks.data.kfold_assignment."""
+entity votes, span scores averaged over the members that scored each span and span votes (nested and flat); and the
+fold assignment of nlp_tricks.data.kfold_assignment."""
 
 import itertools
 import math
@@ -16,11 +17,13 @@ from nlp_tricks.ensemble import (
     entity_spans,
     mean_crf,
     mean_probabilities,
+    mean_span_scores,
     mean_word_probabilities,
     spans_to_tags,
     tag_scheme,
     viterbi,
     vote_entities,
+    vote_spans,
     word_rows,
 )
 
@@ -188,6 +191,72 @@ def test_vote_entities_keeps_what_enough_members_predict():
         threshold = rng.choice([0.2, 0.34, 0.5, 2 / 3, 1.0])
         voted = vote_entities(member_tags, threshold)
         assert entity_spans(voted) == _vote_by_hand(member_tags, threshold), (member_tags, threshold)
+
+
+def _member_span_scores(rng, types=2, words=4, unseen=()):
+    """One member's (T, W, W) span scores as the ensemble receives them: -inf below the diagonal, NaN on every span
+    that starts or ends at a word the member did not see."""
+    scores = rng.normal(size=(types, words, words))
+    scores[:, np.tril_indices(words, -1)[0], np.tril_indices(words, -1)[1]] = -np.inf
+    for w in unseen:
+        scores[:, w, :] = np.nan
+        scores[:, :, w] = np.nan
+    return scores.astype(np.float32)
+
+
+def test_mean_span_scores_average_over_the_members_that_scored_each_span():
+    rng = np.random.default_rng(3)
+    # Word 2 seen by all three members, 0 and 1 by two of them, 3 by none.
+    members = [_member_span_scores(rng, unseen=u) for u in ([3], [1, 3], [0, 3])]
+    mean = mean_span_scores(members)
+    for t, i, j in itertools.product(range(2), range(4), range(4)):
+        values = [float(m[t, i, j]) for m in members if not math.isnan(m[t, i, j])]
+        if 3 in (i, j):
+            assert math.isnan(mean[t, i, j])  # no member saw word 3: never predicted
+        elif i > j:
+            assert mean[t, i, j] == -math.inf
+        else:
+            assert mean[t, i, j] == pytest.approx(sum(values) / len(values), rel=1e-12)  # summation order only
+    # Raw scores, not probabilities: two members a little above 0 and one far below give a negative mean score,
+    # where the mean of their sigmoid probabilities would keep the span (2/3 x 0.88 > 0.5).
+    one = np.full((1, 1, 1), 2.0, dtype=np.float32)
+    assert mean_span_scores([one, one, np.full((1, 1, 1), -10.0, dtype=np.float32)])[0, 0, 0] == -2.0
+    assert np.mean([1 / (1 + math.exp(-2.0))] * 2 + [1 / (1 + math.exp(10.0))]) > 0.5
+    with pytest.raises(ValueError, match="one shape"):
+        mean_span_scores([np.zeros((2, 3, 3)), np.zeros((2, 4, 4))])
+
+
+def test_an_ensemble_of_one_span_model_decodes_exactly_what_it_does():
+    import torch
+
+    from nlp_tricks.functional.spans import decode_spans
+
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        scores = _member_span_scores(rng, types=3, words=6)
+        own = torch.from_numpy(np.nan_to_num(scores, nan=-np.inf))[None]
+        alone = torch.from_numpy(mean_span_scores([scores]))[None]
+        for flat in (False, True):
+            assert decode_spans(alone, flat=flat) == decode_spans(own, flat=flat)
+
+
+def test_vote_spans_keeps_what_enough_members_predict_nested_or_flat():
+    members = [
+        [("ORG", 0, 3), ("LOC", 2, 3), ("PER", 0, 1)],
+        [("ORG", 0, 3), ("LOC", 2, 3)],
+        [("LOC", 2, 3), ("PER", 0, 1), ("PER", 0, 1)],  # a span repeated by one member counts once
+    ]
+    # ORG 0-3: 2 of 3; LOC 2-3: 3 of 3; PER 0-1: 2 of 3.
+    assert vote_spans(members, 0.5) == [("PER", 0, 1), ("ORG", 0, 3), ("LOC", 2, 3)]  # nested: all kept
+    assert vote_spans(members, 1.0) == [("LOC", 2, 3)]
+    # Flat: LOC 2-3 (3 votes) first; ORG 0-3 overlaps it; PER 0-1 (2 votes) does not.
+    assert vote_spans(members, 0.5, flat=True) == [("PER", 0, 1), ("LOC", 2, 3)]
+    # A tie in votes: the earlier span wins, then the longer one, then the type that sorts first.
+    assert vote_spans([[("B", 1, 3)], [("A", 0, 2)]], 0.5, flat=True) == [("A", 0, 2)]
+    assert vote_spans([[("B", 0, 1)], [("A", 0, 2)]], 0.5, flat=True) == [("A", 0, 2)]
+    assert vote_spans([[("B", 0, 2)], [("A", 0, 2)]], 0.5, flat=True) == [("A", 0, 2)]
+    with pytest.raises(ValueError, match=r"threshold=0 is not allowed"):
+        vote_spans(members, 0)
 
 
 def test_kfold_assignment_holds_out_every_example_once():
