@@ -8,6 +8,7 @@ tricks a host's loss cannot take are refused in one line. The hosts are an optio
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import tempfile
 
@@ -24,8 +25,6 @@ COMMON = dict(
     dataloader_num_workers=0, disable_tqdm=True, save_strategy="no",
 )  # fmt: skip
 
-
-import importlib.util
 
 # The trl tests skip, saying why, where trl is not installed (the floors end of CI tests without the hosts extra).
 needs_trl = pytest.mark.skipif(
