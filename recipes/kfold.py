@@ -32,9 +32,12 @@ r < R is kept whole in ``DIR/round{r}/`` (an ensemble folder too); ``DIR`` is th
 trains one student on all the training data (and F) against the ensemble's soft targets (``teacher_logits``) in
 ``DIR/student/``: ``student_test_<metric>``, at the inference cost of one model.
 
-Runs: ``--jobs N`` folds at a time, each in its own process with its share of the cores (``OMP_NUM_THREADS``) and,
-with several GPUs visible, its own GPU (``CUDA_VISIBLE_DEVICES``). A fold that finished with the same flags and
-data is not rerun, so an interrupted run resumes where it stopped. See docs/recipes.md, "K-fold ensembles".
+Runs (``recipes/sweep.py``, the ablation's executor): ``--jobs N`` folds at a time, each in its own process with its
+share of the cores (``OMP_NUM_THREADS``) and, with GPUs visible, its own GPU (``CUDA_VISIBLE_DEVICES``,
+``--gpus_per_run``); ``--backend ray`` trains each fold as a Ray task on a cluster (``--ray_address``; the output
+folder on storage every node sees), while this process cuts the folds, predicts and trains the student. A fold that
+finished with the same flags and data is not rerun, so an interrupted run resumes where it stopped. See
+docs/recipes.md, "K-fold ensembles", and docs/evidence.md, "Sweeps on a cluster".
 """
 
 from __future__ import annotations
@@ -43,10 +46,8 @@ import argparse
 import hashlib
 import json
 import os
-import queue
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,7 +55,8 @@ import numpy as np
 
 from nlp_tricks.data import DataError, check_labels, kfold_assignment, label_list
 
-from ablation import multi_label_requested, run_one
+import sweep
+from ablation import multi_label_requested
 from ensemble_folder import (
     TASKS,
     EnsembleTask,
@@ -186,14 +188,15 @@ def write_if_changed(path: Path, text: str) -> bool:
 
 
 class FoldJob(NamedTuple):
-    """One fold's training run: ``python script --output_dir run_dir <flags>`` in the environment ``env``."""
+    """One fold's training run: ``python script --output_dir run_dir <flags>`` in the environment ``env`` (None:
+    this process's; the executor adds the run's threads and GPUs)."""
 
     round: int
     fold: int
     script: str
     run_dir: Path
     flags: list[str]
-    env: dict
+    env: dict | None = None
 
 
 class FoldFailed(RuntimeError):
@@ -201,51 +204,15 @@ class FoldFailed(RuntimeError):
 
 
 def run_fold(job: FoldJob) -> dict:
-    """Run one fold (unless it finished with these flags: ``ablation.run_one``); its record. A plain function of a
-    :class:`FoldJob`, so any executor can run it."""
-    return run_one(job.script, job.run_dir, job.flags, env=job.env)
+    """Run one fold (unless it finished with these flags: ``sweep.run_one``); its record. A plain function of a
+    :class:`FoldJob`: the local executor's way to run a job, replaced by tests that run folds in this process."""
+    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env)
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs a job may be given: ``CUDA_VISIBLE_DEVICES``'s entries, else every device torch counts."""
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        return [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def job_environment(jobs: int) -> dict:
-    """The environment of every job: ``OMP_NUM_THREADS`` the user's, else the cores shared out among the jobs."""
-    env = os.environ.copy()
-    if "OMP_NUM_THREADS" not in env:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // jobs))
-    return env
-
-
-def run_jobs(jobs: list[FoldJob], workers: int, run=run_fold) -> list[dict]:
-    """Run ``jobs``, ``workers`` at a time, each by ``run``; with several GPUs, each job on one of its own (a job
-    takes a free GPU and gives it back when it ends)."""
-    gpus = visible_gpus()
-    slots: queue.Queue = queue.Queue()
-    if len(gpus) > 1:
-        for i in range(workers):
-            slots.put(gpus[i % len(gpus)])
-
-    def one(job: FoldJob) -> dict:
-        if len(gpus) <= 1:
-            return run(job)
-        gpu = slots.get()
-        try:
-            return run(job._replace(env={**job.env, "CUDA_VISIBLE_DEVICES": gpu}))
-        finally:
-            slots.put(gpu)
-
-    if workers == 1:  # one at a time: in this thread (a job run in this process may install signal handlers)
-        return [one(job) for job in jobs]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, jobs))
+def share_of_cores(jobs: int) -> int:
+    """A fold's threads when ``OMP_NUM_THREADS`` is not set: the cores shared out among the folds at a time."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // jobs)
 
 
 def train_runtime(folder: Path) -> float | None:
@@ -266,14 +233,15 @@ def invalidate(run_dir: Path) -> None:
 
 
 class KFold:
-    """One k-fold run: its folds, files and rounds (see the module docstring). ``run`` runs one :class:`FoldJob`."""
+    """One k-fold run: its folds, files and rounds (see the module docstring). ``executor`` (``recipes/sweep.py``)
+    runs the fold jobs; by default the local one, each job run by ``run``."""
 
-    def __init__(self, args, task: EnsembleTask, recipe_flags: list[str], run=run_fold):
+    def __init__(self, args, task: EnsembleTask, recipe_flags: list[str], run=run_fold, executor=None):
         self.args = args
         self.task = task
         self.out = Path(args.output_dir)
         self.data_dir = self.out / "data"
-        self.run = run
+        self.executor = executor or sweep.LocalExecutor(args.jobs, default_threads=share_of_cores, run=run)
         self.fold_flags = strip_flags(recipe_flags, RUNNER_FLAGS)
         self.rounds = args.pseudo_label_rounds if args.unlabeled_file else 0
         # This process reads the data, predicts and trains the student: --max_time is each fold process's budget.
@@ -282,7 +250,6 @@ class KFold:
         )
         if task.name == "ner" and self.training_args.span_head is not None:
             self.task = NerSpanEnsembleTask(self.training_args.span_flat)
-        self.env = job_environment(args.jobs)
 
     def round_dir(self, r: int) -> Path:
         return self.out if r == self.rounds else self.out / f"round{r}"
@@ -363,7 +330,7 @@ class KFold:
         if changed or self.test_changed or self.heldout_changed[fold]:
             invalidate(run_dir)
         recipe_file = str(Path(self.task.recipe.__file__).resolve())
-        return FoldJob(r, fold, recipe_file, run_dir, self.fold_flags + self.data_flags(train_file, fold), self.env)
+        return FoldJob(r, fold, recipe_file, run_dir, self.fold_flags + self.data_flags(train_file, fold))
 
     # ---- One round ----
 
@@ -662,11 +629,13 @@ class KFold:
         pseudo_stats, earlier = None, []
         for r in range(self.rounds + 1):
             jobs = [self.fold_job(r, fold, pseudo[fold]) for fold in range(self.args.folds)]
-            print(f"[kfold] round {r}: {len(jobs)} folds, {self.args.jobs} at a time", flush=True)
-            try:
-                records = run_jobs(jobs, self.args.jobs, self.run)
-            except RuntimeError as err:  # ablation.run_one: the run's exit status and the end of its log
-                raise FoldFailed(str(err)) from err
+            print(f"[kfold] round {r}: {len(jobs)} folds, {self.executor.describe()}", flush=True)
+            metric = getattr(self.task.recipe, "MAIN_METRIC", None)
+            outcomes = self.executor.run(jobs, self.round_dir(r), metric, label=f"kfold round {r}")
+            if any(outcome.record is None for outcome in outcomes):  # the run's exit status and the end of its log
+                raise FoldFailed(sweep.failure_report(outcomes, self.round_dir(r)))
+            sweep.forget_failures(self.round_dir(r))
+            records = [outcome.record for outcome in outcomes]
             last = r == self.rounds
             predicted = self.predict_round(r, self.unlabeled is not None and (not last or self.args.distill))
             results = self.write_round(r, records, predicted, pseudo_stats)
@@ -695,7 +664,6 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
     parser.add_argument("--recipe", required=True, choices=list(TASKS), help="the recipe each fold runs")
     parser.add_argument("--folds", type=int, required=True, help="K >= 2: how many folds (and fold models)")
     parser.add_argument("--output_dir", required=True, help="where fold{k}/, the ensemble's files and results go")
-    parser.add_argument("--jobs", type=int, default=1, help="folds trained at a time, each in its own process")
     parser.add_argument("--split_seed", type=int, default=42, help="seed of the shuffle that cuts the folds")
     parser.add_argument(
         "--ensemble_vote",
@@ -730,12 +698,14 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
         help="true: also train one student on all the training data (and --unlabeled_file) against the ensemble's "
         "soft targets, in DIR/student/",
     )
+    sweep.add_arguments(parser, what="folds")
     args = parser.parse_args(argv)
     args.distill = args.distill == "true"
     if args.folds < 2:
         parser.error(f"--folds {args.folds}: it must be >= 2")
-    if args.jobs < 1:
-        parser.error(f"--jobs {args.jobs}: it must be >= 1")
+    problem = sweep.check_arguments(args)
+    if problem:
+        parser.error(problem)
     if args.ensemble_vote is not None and not 0.0 < args.ensemble_vote <= 1.0:
         parser.error(f"--ensemble_vote {args.ensemble_vote}: it must be in (0, 1]")
     if args.ensemble_vote is not None and args.recipe != "ner":
@@ -760,25 +730,23 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
         )
 
     try:
-        kfold = KFold(args, TASKS[args.recipe], recipe_flags, run)
-        if kfold.training_args.do_train is False:
-            parser.error("--do_train false after --: every fold trains")
-        span_head = kfold.training_args.span_head if args.recipe == "ner" else None
-        if span_head is not None and args.distill:
-            parser.error(
-                f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
-                "(teacher_logits), which a span head does not take; drop --distill"
-            )
-        if span_head is not None and args.confidence_threshold > 0:
-            parser.error(
-                f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores are "
-                "not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
-            )
-        results = kfold.run_all()
-    except DataError as err:
-        print(f"kfold: {err}", file=sys.stderr)
-        return 1
-    except FoldFailed as err:
+        with sweep.make_executor(args, default_threads=share_of_cores, run=run) as executor:
+            kfold = KFold(args, TASKS[args.recipe], recipe_flags, executor=executor)
+            if kfold.training_args.do_train is False:
+                parser.error("--do_train false after --: every fold trains")
+            span_head = kfold.training_args.span_head if args.recipe == "ner" else None
+            if span_head is not None and args.distill:
+                parser.error(
+                    f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
+                    "(teacher_logits), which a span head does not take; drop --distill"
+                )
+            if span_head is not None and args.confidence_threshold > 0:
+                parser.error(
+                    f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores "
+                    "are not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
+                )
+            results = kfold.run_all()
+    except (DataError, FoldFailed, sweep.SweepError) as err:
         print(f"kfold: {err}", file=sys.stderr)
         return 1
     metric = getattr(TASKS[args.recipe].recipe, "MAIN_METRIC", "f1")

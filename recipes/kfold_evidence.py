@@ -41,9 +41,9 @@ import evidence
 
 from nlp_tricks.data import DataError, split_examples
 
-from ablation import run_one
 from ensemble_folder import TASKS
 from kfold import example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
+from sweep import run_one
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("single", "ensemble", "ensemble + pseudo-labels", "student")

@@ -25,6 +25,7 @@ from nlp_tricks import _upstream
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
 
 import kfold
+import sweep
 from ablation import finished_record
 
 needs_crf_loading = pytest.mark.skipif(
@@ -443,8 +444,9 @@ def test_strip_flags_removes_the_runners_flags_and_their_values():
     assert kfold.strip_flags(flags, kfold.RUNNER_FLAGS) == kept
 
 
-def test_run_jobs_gives_each_concurrent_job_its_own_gpu(monkeypatch):
-    monkeypatch.setattr(kfold, "visible_gpus", lambda: ["0", "1"])
+def test_fold_jobs_run_by_the_sweep_executor_each_on_its_own_gpu(tmp_path):
+    """The k-fold runner's jobs through the executor it shares with the ablation (recipes/sweep.py), with its
+    ``run`` hook (how tests run folds in this process): two GPUs, two folds at a time, never two on one GPU."""
     seen, running = [], set()
 
     def fake_run(job):
@@ -456,10 +458,12 @@ def test_run_jobs_gives_each_concurrent_job_its_own_gpu(monkeypatch):
         running.discard(gpu)
         return {"wall_seconds": 0.0}
 
-    jobs = [kfold.FoldJob(0, k, "x.py", Path(f"f{k}"), [], {}) for k in range(6)]
-    assert len(kfold.run_jobs(jobs, 2, fake_run)) == 6
+    jobs = [kfold.FoldJob(0, k, "x.py", tmp_path / f"f{k}", []) for k in range(6)]
+    executor = sweep.LocalExecutor(gpus=["0", "1"], default_threads=kfold.share_of_cores, run=fake_run)
+    assert executor.jobs == 2
+    assert all(outcome.record for outcome in executor.run(jobs, tmp_path))
     assert sorted(set(seen)) == ["0", "1"]
-    assert all("CUDA_VISIBLE_DEVICES" not in job.env for job in jobs)  # the plan itself is left as it was
+    assert all(job.env is None for job in jobs)  # the plan itself is left as it was
 
 
 @pytest.mark.slow
