@@ -1,12 +1,14 @@
 """Run the benchmarks in benchmarks/ (all but data_scale.py, below), each side by side with its baseline in one
-run; print one table.
+run; print one table (and one for the rows of exactness.py).
 
     python benchmarks/run_all.py            # the full runs the docs quote (about 20 minutes on 2 CPU cores)
     python benchmarks/run_all.py --quick    # tiny shapes, seconds each: checks that each of them runs
 
 Each benchmark script prints its rows as JSON with ``--json``: ``benchmark``, ``case``, ``baseline``, ``ratio``
 (time of ``case`` / time of ``baseline``, measured in the same run) and ``median_ms``. Ratios are what to
-compare across machines; absolute times are labelled with the machine they come from. ``preemption_flag.py`` runs
+compare across machines; absolute times are labelled with the machine they come from. ``exactness.py`` times
+nothing: its rows (``relative``: how far one step moves when the batch is split) get a table of their own.
+``preemption_flag.py`` runs
 as 2 processes (``accelerate launch --multi_gpu``: gloo on CPUs). ``data_scale.py`` is not run here: it times
 whole recipe processes over files of up to 480,000 rows and reads their peak memory; run it on its own
 (docs/recipes.md).
@@ -82,10 +84,17 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = " (--quick: tiny shapes, a smoke test; the ratios are overhead-dominated, not representative)"
     print(f"Machine: {machine_label()}{quick if args.quick else ''}\n")
+    timed = [r for r in rows if "ratio" in r]
     print("| benchmark | case | baseline | time / baseline | median ms |")
     print("|---|---|---|---|---|")
-    for r in rows:
+    for r in timed:
         print(f"| {r['benchmark']} | {r['case']} | {r['baseline']} | {r['ratio']:.2f}x | {r['median_ms']:.1f} |")
+    splits = [r for r in rows if "relative" in r]
+    if splits:
+        print("\n| benchmark | case | split | max abs diff / step | measured |")
+        print("|---|---|---|---|---|")
+        for r in splits:
+            print(f"| {r['benchmark']} | {r['case']} | {r['split']} | {r['relative']:.1e} | {r['measured']} |")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -19,7 +19,10 @@ _moved.install()  # old import paths of moved modules (nlp_tricks.losses, ...) k
 _EXPORTS = {
     "TricksArguments": ".config",
     "TricksTrainer": ".trainer",
-    "Trick": ".tricks",
+    "TricksConfig": ".config",
+    "Trick": ".trick",
+    "HOOK_RULES": ".trick",
+    "with_tricks": ".hosts",
     "focal_loss": ".functional.losses",
     "label_smoothing_cross_entropy": ".functional.losses",
     "cross_entropy": ".functional.losses",
@@ -35,12 +38,16 @@ _EXPORTS = {
     "FreeLB": ".functional.adversarial",
     "load_crf_model": ".functional.crf",
     "load_pooled_model": ".functional.pooling",
+    "load_span_model": ".functional.spans",
 }
 
 __all__ = [
     "TricksArguments",
     "TricksTrainer",
+    "TricksConfig",
     "Trick",
+    "HOOK_RULES",
+    "with_tricks",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
@@ -56,6 +63,7 @@ __all__ = [
     "FreeLB",
     "load_crf_model",
     "load_pooled_model",
+    "load_span_model",
 ]
 
 
@@ -72,8 +80,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .config import TricksArguments
+    from .config import TricksArguments, TricksConfig
     from .functional.adversarial import AWP, FGM, PGD, FreeLB
+    from .functional.crf import load_crf_model
     from .functional.losses import (
         FocalLoss,
         LabelSmoothingCrossEntropy,
@@ -83,7 +92,10 @@ if TYPE_CHECKING:
         label_smoothing_cross_entropy,
         rdrop_loss,
     )
+    from .functional.pooling import load_pooled_model
+    from .functional.spans import load_span_model
+    from .hosts import with_tricks
     from .runtime.checkpoint import load_state_dict_portable
     from .runtime.param_groups import build_param_groups
     from .trainer import TricksTrainer
-    from .tricks import Trick
+    from .trick import HOOK_RULES, Trick

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .functional.adversarial import ADV_NORMS
+from .runtime.divergence import RunSafetyArguments, validate_divergence_arguments
 from .tricks import trick_arguments, validate_arguments
 from .tricks.adversarial import ADVERSARIAL_METHODS, AdversarialArguments
 from .tricks.crf import CRFArguments
@@ -30,6 +31,7 @@ from .tricks.reinit_layers import ReinitArguments
 from .tricks.sam import SAMArguments
 from .tricks.scheduled_sampling import ScheduledSamplingArguments
 from .tricks.smart import SMARTArguments
+from .tricks.span_head import SpanHeadArguments
 from .tricks.swa import SWAArguments
 
 __all__ = ["TricksConfig", "TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
@@ -38,11 +40,13 @@ __all__ = ["TricksConfig", "TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS
 @dataclass
 class TricksConfig(
     # Listed in reverse of the order --help shows them in (a dataclass collects its bases' fields last base first).
+    RunSafetyArguments,
     ScheduledSamplingArguments,
     FreezeArguments,
     ReinitArguments,
     PoolingArguments,
     HeadDropoutArguments,
+    SpanHeadArguments,
     CRFArguments,
     SWAArguments,
     EMAArguments,
@@ -73,6 +77,7 @@ class TricksConfig(
         self._derived = set()
         # Each trick's checks are in its file (nlp_tricks/tricks/); checks across two tricks in validate_arguments.
         validate_arguments(self)
+        validate_divergence_arguments(self)
 
 
 assert set(TricksConfig.__mro__) >= set(trick_arguments()), (

@@ -28,7 +28,10 @@ from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
 from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
+from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
+from .runtime.integrity import checkpoint_written
+from .runtime.lock import holds_output_dir
 from .runtime.param_groups import (
     NO_DECAY_PATTERNS,
     build_param_groups,
@@ -86,6 +89,9 @@ class TricksTrainer(DropInLosses, Trainer):
     - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
       EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
       states (one file), and :meth:`train` restores them on resume.
+    - Run safety (docs/checkpoints.md): :meth:`train` locks ``output_dir`` for itself (one run per folder), stops at a
+      non-finite loss, gradient norm or weight (``stop_on_nonfinite``: ``TrainingDivergedError``, nothing of that step
+      saved), and each ``checkpoint-N`` ends with a checksum manifest that resume verifies.
 
     Extension points: :meth:`compute_tricks_loss`, :meth:`forward_for_loss`, :meth:`build_optimizer_groups`,
     :meth:`record_metric`, :attr:`trick_state`, :meth:`multi_pass`, :meth:`data_stream`, :attr:`loss_context`;
@@ -108,19 +114,12 @@ class TricksTrainer(DropInLosses, Trainer):
                 f"TricksTrainer needs TricksArguments (a TrainingArguments subclass), got {type(args).__name__}; "
                 "build it with the same fields: TricksArguments(output_dir=..., ...)"
             )
-        for trick in tricks:
-            if not isinstance(trick, Trick):
-                raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
-        # Copies taken before any use: each hyperparameter-search trial starts from them (fresh state).
-        self._trick_templates = [_fresh_copy(trick) for trick in tricks]
-        self._streams: dict[str, TrickDataStream] = {}
-        self._use_tricks(built_in_tricks(args, user_tricks=tricks))
+        self._take_tricks(args, tricks)
         if model is not None:
             self.call_tricks("prepare_model", model)
         super().__init__(model, args, *positional, **kwargs)
         self._check_compute_loss_func()
         self._forward_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # upstream's answer, for compute_loss_func
-        self._warned: set[str] = set()
         # compute_loss normalises by `num_items_in_batch` for every model.
         _upstream.count_items_for_every_model(self)
         # Whether the loss scores the logits at position t against the label at t + 1. Upstream's Trainer decides it
@@ -130,6 +129,24 @@ class TricksTrainer(DropInLosses, Trainer):
         # rules are taken here, and the result handed back so that upstream counts the items this loss divides by.
         self.loss_shifts_labels = self._decide_loss_shifts_labels(_upstream.loss_shifts_labels(self))
         _upstream.set_loss_shifts_labels(self, self.loss_shifts_labels)
+        self._start_tricks()
+
+    def _take_tricks(self, config, tricks) -> None:
+        """Take the built-in tricks ``config`` (the trick fields) switches on and the user's ``tricks``."""
+        for trick in tricks:
+            if not isinstance(trick, Trick):
+                raise TypeError(f"tricks=[...] takes nlp_tricks.Trick objects, got {type(trick).__name__}")
+        #: The trick fields of this run (``args`` itself for TricksTrainer; a host trainer's ``tricks_config``).
+        self.tricks_config = config
+        # Copies taken before any use: each hyperparameter-search trial starts from them (fresh state).
+        self._trick_templates = [_fresh_copy(trick) for trick in tricks]
+        self._streams: dict[str, TrickDataStream] = {}
+        self._use_tricks(built_in_tricks(config, user_tricks=tricks))
+
+    def _start_tricks(self) -> None:
+        """Once upstream's ``__init__`` has run: the trainer's own bookkeeping, the checks at build, the tricks'
+        ``setup`` and callbacks, preemption and the divergence guard."""
+        self._warned = getattr(self, "_warned", set())
         # Per-step numbers of the tricks (e.g. the adversarial loss), averaged into each training log.
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         # The trainer's own cumulative numbers (a subclass's counters): logged as they are, saved in the state store.
@@ -150,6 +167,9 @@ class TricksTrainer(DropInLosses, Trainer):
         # SIGTERM / SIGUSR1 / --max_time: a checkpoint at a step boundary, then stop (docs/checkpoints.md).
         self.preemption: PreemptionCallback = install_preemption(self)
         self.preempted: str | None = None  # after train(): None, or what stopped it early ("SIGTERM", "max_time")
+        # Run safety: a non-finite loss, gradient norm or weight stops training (or is skipped); added last, so it
+        # can overrule the saves the callbacks above decide on (runtime/divergence.py, docs/checkpoints.md).
+        self.divergence = install_divergence_guard(self)
 
     # ---- The tricks: building and dispatch -----------------------------------------------------------------------
 
@@ -195,7 +215,16 @@ class TricksTrainer(DropInLosses, Trainer):
         self.call_tricks("setup")
 
     def _check_capabilities(self) -> None:
-        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP."""
+        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP or its
+        optimizer (one that updates the weights inside backward cannot take several backwards per step)."""
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        for trick in self.tricks:
+            if trick.extra_backwards and optim in ("lomo", "adalomo"):
+                setting = (trick.summary() or [repr(trick)])[0]
+                raise ValueError(
+                    f"{setting} runs several backward passes per step, but optim={optim!r} updates the weights inside "
+                    "backward; choose another optimizer"
+                )
         engines = (("deepspeed", "DeepSpeed", "is_deepspeed_enabled"), ("fsdp", "FSDP", "is_fsdp_enabled"))
         for flag, engine, attribute in engines:
             if not getattr(self, attribute, False):
@@ -432,7 +461,7 @@ class TricksTrainer(DropInLosses, Trainer):
 
     def _decide_lm_loss_path(self) -> str:
         loss = self.get_trick(LossFunction)
-        chunked = getattr(self.args, "chunked_lm_loss", False)
+        chunked = getattr(self.tricks_config, "chunked_lm_loss", False)
         overridden = [
             name for name in _LOGITS_METHODS if getattr(type(self), name) is not getattr(TricksTrainer, name)
         ]
@@ -657,11 +686,12 @@ class TricksTrainer(DropInLosses, Trainer):
         super()._hp_search_setup(trial)
         if self.hp_search_backend is None or trial is None:
             return
-        self.args.revalidate()
+        self.tricks_config.revalidate()
         for trick in self.tricks:
             self.remove_callback(trick)
         self._streams.clear()
-        self._use_tricks(built_in_tricks(self.args, user_tricks=[_fresh_copy(t) for t in self._trick_templates]))
+        fresh = [_fresh_copy(t) for t in self._trick_templates]
+        self._use_tricks(built_in_tricks(self.tricks_config, user_tricks=fresh))
         self._lm_loss_path = None
         self.call_tricks("prepare_model", self.model)
         self._check_capabilities()
@@ -828,6 +858,7 @@ class TricksTrainer(DropInLosses, Trainer):
         if problem is not None:
             raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
 
+    @holds_output_dir  # one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the
         tricks' state is restored from it.
@@ -854,6 +885,7 @@ class TricksTrainer(DropInLosses, Trainer):
             output = super().train(
                 resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
+        self.divergence.raise_if_diverged()  # a diverged run returns nothing that looks finished
         self.preempted = self.preemption.stopped_by
         if self.preempted is None:  # a stopped run is not finished: no SWA average, no best EMA
             self.call_tricks("train_end")
@@ -887,7 +919,20 @@ class TricksTrainer(DropInLosses, Trainer):
                 loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._context = None
+        self.divergence.record_loss(loss)  # the raw loss (upstream's logging_nan_inf_filter hides a NaN)
         return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Upstream's gradient norm of the step, before its optimizer step; the divergence guard checks it."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.divergence.record_grad_norm(grad_norm)
+        return grad_norm
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Upstream's checkpoint save, then its checksum manifest; a full disk is one line and leaves no torn
+        ``checkpoint-N`` (runtime/integrity.py)."""
+        with checkpoint_written(self, trial):
+            super()._save_checkpoint(model, trial)
 
     def step_context(self) -> LossContext:
         """The loss context of the micro-batch being trained (for a trick's :meth:`multi_pass` passes)."""

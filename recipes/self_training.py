@@ -55,14 +55,11 @@ from classification import CLASSIFICATION_TASK, ClassificationDataArguments
 from common import (
     ModelArguments,
     check_label_arguments,
-    check_saved_crf,
     exit_if_preempted,
     is_main_process,
-    parse_recipe_args,
-    prepare_output_dir,
     resolve_model_path,
     run_recipe,
-    saved_crf_defaults,
+    start_recipe,
     write_json_atomic,
 )
 from ner import NER_TASK, NerDataArguments
@@ -413,32 +410,29 @@ def run_round(
 
 
 def main() -> None:
-    data_args, st_args, model_args, training_args = parse_recipe_args(
+    data_args, st_args, model_args, training_args = start_recipe(
         (SelfTrainingDataArguments, SelfTrainingArguments, SelfTrainingModelArguments, TricksArguments),
         "self_training",
         RECIPE_DEFAULTS,
-        # A teacher or student trained with --crf stays a CRF.
-        dependent_defaults=[
-            ("task", TASK_DEFAULTS),
-            saved_crf_defaults("model_name_or_path", "student_model_name_or_path"),
-        ],
+        dependent_defaults=("task", TASK_DEFAULTS),
         description=__doc__,
+        # A teacher or student trained with --crf stays a CRF.
+        saved_crf_models=("model_name_or_path", "student_model_name_or_path"),
+        reads=("model_name_or_path", "student_model_name_or_path", "tokenizer_name"),
+        resumes=False,  # self-training does not resume: a stopped run is rerun from its start
     )
     task = TASKS[data_args.task]
-    check_saved_crf(training_args, model_args)
-    set_seed(training_args.seed)
     out = Path(training_args.output_dir)
-    prepare_output_dir(
-        out,
-        data_args.overwrite_output_dir,
-        reads=(model_args.model_name_or_path, model_args.student_model_name_or_path, model_args.tokenizer_name),
-    )
 
     # ---- Data: read everything (and fail on bad input) before any training ----
     data = setup_data(task, data_args)
     check_label_arguments(training_args, data["labels"])
     if training_args.crf and not task.supports_crf:
         raise DataError(None, None, "--crf true is for --task ner (a CRF over the words of a sentence)")
+    if training_args.span_head is not None:
+        raise DataError(
+            None, None, f"--span_head {training_args.span_head}: self-training pseudo-labels tags, not spans"
+        )
     if st_args.soft_labels and (training_args.crf or training_args.class_weights is not None):
         raise DataError(
             None,

@@ -79,7 +79,6 @@ from transformers import (
     EncoderDecoderConfig,
     EncoderDecoderModel,
     IntervalStrategy,
-    set_seed,
 )
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -103,11 +102,9 @@ from common import (
     load_weights,
     map_options,
     own_rows,
-    parse_recipe_args,
-    prepare_output_dir,
     resolve_model_path,
-    resume_argument,
     run_recipe,
+    start_recipe,
     train_evaluate_predict,
     warn,
 )
@@ -797,19 +794,12 @@ def prepare_data(data_args: SummarizationDataArguments, tokenizer):
 
 
 def main() -> None:
-    data_args, model_args, training_args = parse_recipe_args(
+    data_args, model_args, training_args = start_recipe(
         RECIPE_ARGUMENT_TYPES,
         "summarization",
         RECIPE_DEFAULTS,
         dependent_defaults=(uses_demo_model, {"demo": DEMO_DEFAULTS}),
         description=__doc__,
-    )
-    set_seed(training_args.seed)
-    prepare_output_dir(
-        training_args.output_dir,
-        data_args.overwrite_output_dir,
-        resume_argument(training_args.resume_from_checkpoint),
-        reads=(model_args.model_name_or_path, model_args.tokenizer_name),
     )
 
     # ---- Data: read everything (and fail on bad input) before any training ----

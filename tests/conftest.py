@@ -15,7 +15,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# The recipes import their shared glue (recipes/common.py) and each other by module name, as when run as scripts.
+# The recipes import their shared glue (the package recipes/common/) and each other by module name, as when run as
+# scripts.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 

@@ -53,6 +53,25 @@ def test_crf_benchmark_quick_json():
     assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_span_head_benchmark_quick_json():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "span_head.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["case"].split()[0] for r in rows] == [
+        "ner_step_ce",
+        "ner_step_global_pointer",
+        "ner_step_efficient_global_pointer",
+        "predict_global_pointer",
+        "predict_efficient_global_pointer",
+    ]
+    assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
+
+
 def test_tricks_overhead_benchmark_quick_json():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tricks_overhead.py"), "--quick", "--json", "--repeats", "2"],

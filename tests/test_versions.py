@@ -52,7 +52,7 @@ def _readme_block(heading: str) -> list[str]:
 
 def test_ci_installs_the_floors_and_runs_the_readmes_test_command_verbatim():
     run = (ROOT / ".ci" / "run").read_text()
-    assert "install floors -c .ci/floors.txt" in run
+    assert "install floors test,demo,plot -c .ci/floors.txt" in run
     (command,) = _readme_block("Test")
     assert f"\n    {command}\n" in run, f".ci/run does not run the README's test command {command!r} verbatim"
 

@@ -225,3 +225,33 @@ def ema_of(trainer):
 
     trick = trainer.get_trick(ExponentialMovingAverage)
     return None if trick is None else trick.ema
+
+
+def span_data(n=8, length=12, num_types=3, seed=0, empty=()) -> ListDataset:
+    """Padded sentences with span label rows (nlp_tricks.data.spans.span_label_rows), fixed (length + 8, 3) rows:
+    words of one or two sub-tokens, whose counts differ, and random entities that nest and repeat a span with
+    another type. Sentences listed in ``empty`` have no word (no item of the loss)."""
+    import random
+
+    from nlp_tricks.data.spans import span_label_rows
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        ids = torch.randint(5, VOCAB, (length,), generator=g)
+        cut = 4 + (i * 5) % (length - 4)
+        mask = torch.ones(length, dtype=torch.long)
+        mask[cut:] = 0
+        ids[cut:] = 0
+        positions = [] if i in empty else [p for p in range(1, cut - 1) if p == 1 or rng.random() < 0.7]
+        spans = []
+        for _ in range(rng.randint(0, 4) if positions else 0):
+            start = rng.randrange(len(positions))
+            spans.append((rng.randrange(num_types), start, rng.randint(start + 1, min(len(positions), start + 3))))
+        if positions:
+            spans.append((rng.randrange(num_types), *spans[-1][1:]) if spans else (0, 0, 1))
+        rows = span_label_rows(positions, spans)
+        rows += [[-100, -100, -100]] * (length + 8 - len(rows))
+        items.append({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(rows)})
+    return ListDataset(items)

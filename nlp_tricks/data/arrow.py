@@ -17,7 +17,16 @@ from pathlib import Path
 
 from .readers import DataError
 
-__all__ = ["arrow_dataset", "file_signature", "as_dataset", "first_rows", "column_values", "distinct_values"]
+__all__ = [
+    "arrow_dataset",
+    "file_signature",
+    "take_rows",
+    "iter_rows",
+    "as_dataset",
+    "first_rows",
+    "column_values",
+    "distinct_values",
+]
 
 # Bump when what a reader yields changes, so that no cached Arrow file of an older reader is read back.
 READER_VERSION = "1"
@@ -69,6 +78,48 @@ def arrow_dataset(generate: Callable[[], Iterator[dict]], features, key: Sequenc
     return dataset
 
 
+def take_rows(dataset, indices: Sequence[int], batch_size: int = 10_000):
+    """The rows of ``dataset`` at ``indices``, in that order: the same rows as ``dataset.select(indices)``, written
+    in that order to an Arrow file of their own when the dataset is file-backed, so that reading them is reading a
+    file front to back.
+
+    ``select`` keeps an indices mapping, and ``datasets`` reads a mapped row as a table slice of its own (a Python
+    loop per row, in every ``map``, ``iter`` and label check of a shuffled split: most of the time the recipes spent
+    on a large file beyond tokenizing). Here Arrow's own ``take`` copies the rows ``batch_size`` at a time into the
+    ``datasets`` cache (``HF_DATASETS_CACHE/nlp_tricks_data``), keyed by the dataset's fingerprint and the indices,
+    so a rerun reads the copy back and the tokenizations of it find their cache. An in-memory dataset, a dataset
+    that is already a mapping and a contiguous range are ``select``-ed as they are.
+    """
+    from datasets import Dataset, config
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.fingerprint import Hasher
+
+    indices = [int(i) for i in indices]
+    contiguous = all(b - a == 1 for a, b in zip(indices, indices[1:]))
+    if contiguous or not dataset.cache_files or getattr(dataset, "_indices", None) is not None:
+        return dataset.select(indices)
+    fingerprint = Hasher.hash([READER_VERSION, "take_rows", dataset._fingerprint, indices])
+    folder = Path(config.HF_DATASETS_CACHE) / "nlp_tricks_data"
+    path = folder / f"{fingerprint}.arrow"
+    if not path.is_file():
+        import pyarrow as pa
+
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{fingerprint}.{os.getpid()}.tmp"
+        table = dataset.data.table
+        try:
+            with ArrowWriter(features=dataset.features, path=str(tmp)) as writer:
+                for start in range(0, len(indices), batch_size):
+                    writer.write_table(table.take(pa.array(indices[start : start + batch_size], pa.int64())))
+                writer.finalize()
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    rows = Dataset.from_file(str(path))
+    rows._fingerprint = fingerprint
+    return rows
+
+
 def as_dataset(examples):
     """``examples`` as a ``datasets.Dataset``: a dataset stays itself, a list of dicts becomes one (in memory)."""
     from datasets import Dataset
@@ -83,6 +134,17 @@ def first_rows(examples, n: int | None):
     if n is None or n >= len(examples):
         return examples
     return examples.select(range(n)) if hasattr(examples, "select") else examples[:n]
+
+
+def iter_rows(examples, batch_size: int = 1000) -> Iterator[dict]:
+    """The examples of a list or a dataset one at a time, a dataset's read ``batch_size`` rows at a time (iterating a
+    ``Dataset`` itself formats one row per read)."""
+    if isinstance(examples, list) or not hasattr(examples, "iter"):
+        yield from examples
+        return
+    for batch in examples.iter(batch_size=batch_size):
+        names = list(batch)
+        yield from (dict(zip(names, values)) for values in zip(*(batch[name] for name in names)))
 
 
 def column_values(dataset, column: str, batch_size: int = 10_000) -> Iterator:

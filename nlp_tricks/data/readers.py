@@ -12,8 +12,8 @@ import json
 import math
 import random
 import re
+import sys
 from collections.abc import Iterable, Iterator, Sequence
-from decimal import Decimal
 from pathlib import Path
 
 __all__ = [
@@ -68,25 +68,54 @@ def _read_lines(path: str | Path) -> list[str]:
     return [line for _, line in _iter_lines(path)]
 
 
-def _iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line without its line end)`` of the file, read as a stream (the file is never whole in
-    memory), decoded as UTF-8; a byte that is not UTF-8 is an error on its line."""
+def _iter_lines(path: str | Path, keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of the file, read as a stream (the file is never whole in memory), decoded as UTF-8.
+
+    A line ends at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (files from old Mac tools, or mixed ends after an edit), and
+    nowhere else: ``U+2028``, ``\\x85`` or ``\\x1c`` inside a line are characters of it (``str.splitlines`` would break
+    there). The line end is dropped, or kept as written with ``keep_ends`` (for CSV, whose quoted values keep the
+    line breaks inside them). A byte-order mark at the start is dropped; a byte that is not UTF-8 is an error on its
+    line (after every line before it has been yielded).
+    """
+    number = 0
     try:
-        f = Path(path).open("rb")
+        f = Path(path).open(encoding="utf-8-sig", newline="" if keep_ends else None)
     except OSError as err:
         raise DataError(path, None, f"cannot read the file: {err.strerror}") from None
-    with f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+    try:
+        with f:
+            # Universal newlines: "\r\n" and "\r" read as "\n" (newline=None), or are split at but kept (newline="").
+            for number, line in enumerate(f, start=1):
+                yield number, line if keep_ends or line[-1:] != "\n" else line[:-1]
+        return
+    except UnicodeDecodeError:
+        pass  # the text layer decodes ahead of the lines it gives: find the bad line, byte by byte
+    for later, line in _iter_binary_lines(path, keep_ends):
+        if later > number:
+            yield later, line
+
+
+def _iter_binary_lines(path: str | Path, keep_ends: bool) -> Iterator[tuple[int, str]]:
+    """:func:`_iter_lines` read as bytes, each line decoded on its own: slower, and exact about where a bad byte is."""
+    with Path(path).open("rb") as f:
+        number = 0
+        for raw in f:
+            if number == 0 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
-            if raw.endswith(b"\n"):
-                raw = raw[:-1]
-            try:
-                yield number, raw.decode("utf-8").rstrip("\r")
-            except UnicodeDecodeError as err:
-                raise DataError(
-                    path, number, f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
-                ) from None
+            end = b"\r\n" if raw.endswith(b"\r\n") else b"\n" if raw.endswith(b"\n") else b""
+            parts = raw[: len(raw) - len(end)].split(b"\r")
+            ends = [b"\r"] * (len(parts) - 1) + [end]
+            if not end and parts[-1] == b"" and len(parts) > 1:  # the file's last line ended in a lone "\r"
+                parts, ends = parts[:-1], ends[:-1]
+            for part, part_end in zip(parts, ends):
+                number += 1
+                try:
+                    text = part.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        path, number, f"not valid UTF-8 (byte 0x{part[err.start]:02x} at column {err.start + 1})"
+                    ) from None
+                yield number, text + part_end.decode("ascii") if keep_ends else text
 
 
 # A tag of the IOB family (IOB1/IOB2, IOE, BIOES, BILOU): "O" or a one-letter prefix, a hyphen and a type.
@@ -99,33 +128,49 @@ def looks_like_tag(value: str) -> bool:
     return _TAG.fullmatch(value) is not None
 
 
+# What separates words and columns: ASCII whitespace. Python's str.split() also splits at U+2028, \x85, \x1c-\x1f and
+# every Unicode space (a no-break space inside "10\u00a0000"), which are characters of a token here.
+_SPACE = " \t\x0b\x0c"
+_SPACE_RUN = re.compile(f"[{_SPACE}]+")
+
+
+def _split_words(text: str) -> list[str]:
+    """``text`` split at runs of ASCII whitespace (space, tab, vertical tab, form feed), and only there."""
+    if text.isprintable():  # no tab, no Unicode separator: str.split() splits at the ASCII space alone
+        return text.split()
+    return [word for word in _SPACE_RUN.split(text) if word]
+
+
 def _columns(text: str) -> list[str]:
-    """The columns of a stripped CoNLL line: split on tabs when it has one, else on runs of whitespace."""
+    """The columns of a stripped CoNLL line: split on tabs when it has one, else on runs of ASCII whitespace."""
     if "\t" in text:
-        return [column.strip() for column in text.split("\t")]
-    return text.split()
+        return [column.strip(_SPACE) for column in text.split("\t")]
+    return _split_words(text)
 
 
 def _is_comment_candidate(text: str) -> bool:
-    return text == "#" or (text.startswith("#") and text[1].isspace())
+    return text == "#" or (text.startswith("#") and text[1] in _SPACE)
 
 
 def read_conll(path: str | Path) -> list[dict]:
     """Read a CoNLL file: token in the first column, tag in the last, a blank line between sentences.
 
-    Columns are separated by tabs (when a line has one) or by whitespace, so CoNLL-2003's four columns (token POS
-    chunk NER) work. A tab-separated line may have any number of columns between the token and the tag (corpora with
-    optional reading or feature columns), and a no-break space inside one is part of it (``10\u00a0000``); every
-    space-separated line of a sentence has the same number of columns. Lines that start with ``-DOCSTART-`` are
-    skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a space and does not read
-    as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them, CoNLL-U's ``# text = ...``);
-    ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens", "ner_tags", "line", "tag_lines"}``, the
-    last two being the line of the sentence's first token and of each tag (for error messages).
+    Columns are separated by tabs (when a line has one) or by ASCII whitespace, so CoNLL-2003's four columns (token
+    POS chunk NER) work; a no-break space, ``U+2028`` or ``\\x1c`` inside a token is part of it (``10\\u00a0000``).
+    A tab-separated line may have any number of columns between the token and the tag (corpora with optional reading
+    or feature columns); every space-separated line of a sentence has the same number of columns, and a sentence of
+    one such line has no more than the file's other sentences (unless as many as one of them). Lines that start
+    with ``-DOCSTART-`` are skipped, and so are comment lines before a sentence: a line that starts with ``#`` and a
+    space and does not read as a token line of the file (``# id 5a3f...  domain=en`` as MultiCoNER writes them,
+    CoNLL-U's ``# text = ...``); ``#  O`` stays the token ``#`` with its tag. Each example is ``{"tokens",
+    "ner_tags", "line", "tag_lines"}``, the last two being the line of the sentence's first token and of each tag
+    (for error messages).
 
     Raises :class:`DataError` (``file:line``) on a token without a tag, a column holding a space (``New York<TAB>
     B-LOC``: whitespace-separated readers would keep ``New``), a space-separated line with more or fewer columns than
-    its sentence's first (``New York B-LOC`` among ``token tag`` lines), a comment line inside a sentence, a
-    tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
+    its sentence's first (``New York B-LOC`` among ``token tag`` lines) or, in a sentence of one such line, more than
+    the file's other sentences (``New York B-LOC`` alone in a ``token tag`` file), a comment line inside a sentence,
+    a tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
     """
     return _read_conll(path, tagged=True)
 
@@ -135,7 +180,7 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
     are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
 
     The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
-    space-separated line with another column count than its sentence's refused.
+    space-separated line with another column count than its sentence's (or the file's other sentences') refused.
     """
     return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
 
@@ -150,30 +195,62 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
     The file is read twice as a stream (its shape first, then its sentences), so memory does not grow with it; an
     error found only at the end (a tag-first file) is raised after the last sentence.
     """
-    # The file's shape from its plain token lines: their column counts and the tags they use.
+    # The file's shape from its plain token lines: their column counts, the tags they use, and the column counts of
+    # its sentences of several space-separated lines (each line of which has the same count, or is refused below),
+    # against which a sentence of one such line is checked: alone it cannot show that a token holds a space.
     widths, tags_used = set(), set()
+    sentence_widths, single_widths = {}, {}  # count -> first line; count -> (sentences, first line)
+    space_lines = []  # (line, count) of the current sentence's space-separated lines
+
+    def end_sentence():
+        if len(space_lines) == 1:
+            line, width = space_lines[0]
+            count, first = single_widths.get(width, (0, line))
+            single_widths[width] = (count + 1, first)
+        elif space_lines:
+            sentence_widths.setdefault(space_lines[0][1], space_lines[0][0])
+        space_lines.clear()
+
     for entry in _conll_entries(path):
-        if entry is not None and not _is_comment_candidate(entry[1]):
+        if entry is None:
+            end_sentence()
+        elif not _is_comment_candidate(entry[1]):
             columns = _columns(entry[1])
             widths.add(len(columns))
+            if "\t" not in entry[1]:
+                space_lines.append((entry[0], len(columns)))
             if len(columns) >= 2:
                 tags_used.add(columns[-1])
+    end_sentence()
+    if not sentence_widths and single_widths:  # every sentence is one line: the count most of them have
+        width = max(single_widths, key=lambda w: (single_widths[w][0], -single_widths[w][1]))
+        sentence_widths = {width: single_widths[width][1]}
 
     def reads_as_token_line(columns: list[str], tabbed: bool) -> bool:
-        if (not tabbed and len(columns) not in widths) or any(_has_space(column, tabbed) for column in columns):
+        if (not tabbed and len(columns) not in widths) or any(_has_space(column) for column in columns):
             return False
         if not tagged:
             return True
         return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
 
     tokens, tags, tag_lines = [], [], []
-    sentence_width, width_line = None, None  # the column count of the sentence's first space-separated line
+    sentence_width, width_line, space_count = None, None, 0  # of the sentence's space-separated lines
     found = False
     tag_check = _TagColumnCheck(path)
 
     def sentence():
-        nonlocal sentence_width
-        sentence_width = None
+        nonlocal sentence_width, space_count
+        # More columns than a count the file's sentences have may be a token split at its space; fewer cannot be.
+        if space_count == 1 and sentence_width not in sentence_widths and sentence_width > min(sentence_widths):
+            counts = " or ".join(str(width) for width in sorted(sentence_widths))
+            first = min(sentence_widths.values())
+            raise DataError(
+                path,
+                width_line,
+                f"{sentence_width} columns in a sentence of one line, where the file's sentences have {counts} (line "
+                f"{first}); a token cannot hold a space",
+            )
+        sentence_width, space_count = None, 0
         example = {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
         tokens.clear(), tags.clear(), tag_lines.clear()
         if tagged:
@@ -199,7 +276,7 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
                 )
             continue
         for k, column in enumerate(columns):
-            if _has_space(column, tabbed):
+            if _has_space(column):
                 what = "token" if k == 0 else "tag" if k == len(columns) - 1 else f"column {k + 1}"
                 raise DataError(
                     path,
@@ -214,6 +291,7 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
         # Tabs make the columns unambiguous (token first, tag last, any number between, as corpora with optional
         # reading or feature columns write them); with spaces a changing count is a token that holds a space.
         if not tabbed:
+            space_count += 1
             if sentence_width is None:
                 sentence_width, width_line = len(columns), number
             elif len(columns) != sentence_width:
@@ -236,19 +314,20 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
 
 
 def _conll_entries(path: str | Path) -> Iterator[tuple[int, str] | None]:
-    """``(line number, stripped text)`` of each line of a CoNLL file; None for a sentence break."""
+    """``(line number, text without ASCII whitespace around it)`` of each line of a CoNLL file; None for a sentence
+    break: a blank line (whitespace of any kind alone) or a ``-DOCSTART-`` line."""
     for number, line in _iter_lines(path):
-        text = line.strip()
-        yield None if not text or text.split()[0] == "-DOCSTART-" else (number, text)
+        text = line.strip(_SPACE)
+        if not line.strip() or (text.startswith("-DOCSTART-") and text[10:11] in ("", *_SPACE)):
+            yield None
+        else:
+            yield number, text
 
 
-def _has_space(text: str, tabbed: bool = False) -> bool:
-    """Whether a column holds whitespace that would split it. Between tabs only the ASCII space counts: a no-break or
-    ideographic space (``10\u00a0000``) is part of the token there, while ``New York`` is what a space-separated line's
-    columns look like to every other reader."""
-    if tabbed:
-        return any(char.isspace() and char.isascii() for char in text)
-    return any(char.isspace() for char in text)
+def _has_space(text: str) -> bool:
+    """Whether a column holds ASCII whitespace, which would split it: ``New York`` is what a space-separated line's
+    columns look like to every other reader. A no-break or ideographic space (``10\u00a0000``) is part of a token."""
+    return _SPACE_RUN.search(text) is not None
 
 
 def _shorten(text: str, limit: int = 40) -> str:
@@ -310,42 +389,172 @@ class _TagColumnCheck:
 
 
 def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
-    """Read JSON lines (one object per line) with the given fields; each example also gets its ``line``."""
+    """Read JSON lines (one object per line) with the given fields; each example also gets its ``line``.
+
+    Strict JSON: ``NaN`` / ``Infinity`` (which Python's ``json`` accepts), a key twice in one object (where readers
+    keep either value), a lone surrogate escape (``"\\ud800"``, not a character), a value nested deeper than Python
+    reads, and a number Python cannot hold (an integer over 4,300 digits; ``1e400``, which would be ``inf``) in a field
+    are errors on their line.
+    """
     return list(iter_jsonl(path, fields))
 
 
 def iter_jsonl(path: str | Path, fields: Sequence[str]) -> Iterator[dict]:
     """The examples of :func:`read_jsonl`, one line at a time."""
+    for ex in _iter_json_records(path, fields):
+        for name in fields:
+            ex[name] = _python_value(ex[name], path, ex["line"], name)
+        yield ex
+
+
+class _JsonNumber:
+    """A JSON number as the text it is written with (``1e30``, ``1.50``, ``12345678901234567890``), which the readers
+    keep: Python's float would change ``1e30`` to ``1000000000000000019884624838656`` and ``1e400`` to ``inf``."""
+
+    __slots__ = ("text", "integer")
+
+    def __init__(self, text: str, integer: bool):
+        self.text, self.integer = text, integer
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+class _JsonRefusal(Exception):
+    """Valid for Python's ``json`` module, not for JSON: raised from inside the parser by its hooks."""
+
+
+def _json_int(text: str) -> _JsonNumber:
+    return _JsonNumber(text, True)
+
+
+def _json_float(text: str) -> _JsonNumber:
+    return _JsonNumber(text, False)
+
+
+def _json_constant(name: str):
+    raise _JsonRefusal(f'{name} is not a JSON value (JSON has no NaN or infinity); write it as a string, "{name}"')
+
+
+def _json_object(pairs: list[tuple[str, object]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _JsonRefusal(f"key {key!r} appears twice in one object; readers would keep either value")
+            seen.add(key)
+    return record
+
+
+# Where a lone surrogate can come from: a file decoded from UTF-8 holds none, but a \\udXXX escape decodes to one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _iter_json_records(path: str | Path, fields: Sequence[str]) -> Iterator[dict]:
+    """``{field: value, ..., "line"}`` of each record of a JSON-lines file, its numbers as :class:`_JsonNumber`."""
     found = False
     for number, line in _iter_lines(path):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(
+                line,
+                parse_int=_json_int,
+                parse_float=_json_float,
+                parse_constant=_json_constant,
+                object_pairs_hook=_json_object,
+            )
         except json.JSONDecodeError as err:
             raise DataError(path, number, f"not valid JSON ({err.msg}); expected one JSON object per line") from None
+        except _JsonRefusal as err:
+            raise DataError(path, number, f"not valid JSON: {err}") from None
+        except RecursionError:
+            raise DataError(
+                path, number, f"a value nested too deep to read (Python reads about {sys.getrecursionlimit()} levels)"
+            ) from None
         if not isinstance(record, dict):
-            raise DataError(path, number, f"expected a JSON object, got {type(record).__name__}")
+            what = "a number" if isinstance(record, _JsonNumber) else type(record).__name__
+            raise DataError(path, number, f"expected a JSON object, got {what}")
         missing = [name for name in fields if name not in record]
         if missing:
             raise DataError(path, number, f"record has no field {missing[0]!r}; it has {sorted(record)}")
+        if _SURROGATE_ESCAPE.search(line):
+            for name in fields:
+                _refuse_lone_surrogates(record[name], path, number, name)
         found = True
-        yield {**{name: record[name] for name in fields}, "line": number}
+        example = {name: record[name] for name in fields}
+        example["line"] = number
+        yield example
     if not found:
         raise DataError(path, None, "empty file: no records")
+
+
+def _refuse_lone_surrogates(value, path, line: int, name: str) -> None:
+    """Refuse a string (in ``value``, or a list / object in it) holding half of a UTF-16 surrogate pair: it is no
+    character, and no UTF-8 file or Arrow column can hold it."""
+    if isinstance(value, str):
+        half = next((char for char in value if "\ud800" <= char <= "\udfff"), None)
+        if half is not None:
+            raise DataError(
+                path,
+                line,
+                f"field {name!r} holds the escape \\u{ord(half):04x}, half of a UTF-16 surrogate pair without the "
+                "other half: no character (was a character cut in two?)",
+            )
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_lone_surrogates(item, path, line, name)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _refuse_lone_surrogates(item, path, line, name)
+
+
+def _python_value(value, path, line: int, name: str):
+    """A JSON value with its numbers as Python's ``int`` / ``float``; one that Python cannot hold is an error."""
+    if isinstance(value, _JsonNumber):
+        if value.integer:
+            try:
+                return int(value.text)
+            except ValueError:  # over sys.get_int_max_str_digits()
+                raise DataError(
+                    path,
+                    line,
+                    f"field {name!r} holds an integer of {len(value.text.lstrip('-'))} digits, more than Python "
+                    f"reads ({sys.get_int_max_str_digits()})",
+                ) from None
+        number = float(value.text)
+        if not math.isfinite(number):
+            raise DataError(path, line, f"field {name!r} holds {value.text}, beyond the range of a float")
+        return number
+    if isinstance(value, list):
+        return [_python_value(item, path, line, name) for item in value]
+    if isinstance(value, dict):
+        return {key: _python_value(item, path, line, name) for key, item in value.items()}
+    return value
 
 
 def read_csv(
     path: str | Path, fields: Sequence[str], delimiter: str = ",", nonempty: Sequence[str] = ()
 ) -> list[dict]:
-    """Read a CSV file with a header row holding the given columns; each example also gets its ``line``.
+    """Read a CSV file with a header row holding the given columns; each example also gets its ``line`` (the line
+    its record ends on).
 
     ``delimiter="\t"`` reads TSV (tab-separated values, Python's ``excel-tab`` dialect: what ``csv.writer`` and
-    pandas write). A TSV value may be quoted as in CSV (needed only for a tab or a line break inside it), and a quote
-    that opens a value must close it: ``"Hi," she said<TAB>pos`` is an error on its line rather than a text that
-    silently loses its quotes. A column in ``nonempty`` (e.g. the label) must hold more than whitespace in every row.
+    pandas write). A value may be quoted (needed for a delimiter, a quote or a line break inside it; the line breaks
+    of a quoted value are kept as written, ``\\r\\n`` included), and a quote that opens a value must close it:
+    ``"Hi," she said,pos`` is an error on its line rather than a text that silently loses its quotes. Every row has as
+    many fields as the header (``hello, world,pos`` under ``text,label`` is an error, not the text ``hello``), the
+    header names each column once, and a column in ``nonempty`` (e.g. the label) must hold more than whitespace in
+    every row. Values of any length are read.
     """
     return list(iter_csv(path, fields, delimiter, nonempty))
+
+
+def _allow_long_fields() -> None:
+    """Raise the csv module's field size limit (131,072 characters) to what a C long holds on every platform."""
+    if csv.field_size_limit() < 2**31 - 1:
+        csv.field_size_limit(2**31 - 1)
 
 
 def iter_csv(
@@ -353,41 +562,71 @@ def iter_csv(
 ) -> Iterator[dict]:
     """The examples of :func:`read_csv`, one row at a time."""
     kind = "TSV" if delimiter == "\t" else "CSV"
+    _allow_long_fields()
     first_line = []
 
     def lines():
-        for number, line in _iter_lines(path):
+        for number, line in _iter_lines(path, keep_ends=True):
             if number == 1:
                 first_line.append(line)
-            yield line + "\n"
+            yield line
 
-    reader = csv.DictReader(lines(), delimiter=delimiter, strict=kind == "TSV")
+    reader = csv.reader(lines(), delimiter=delimiter, strict=True)
     try:
-        header = reader.fieldnames
+        header = next(reader, None)
     except csv.Error as err:
-        raise DataError(path, 1, f"not valid {kind} ({err})") from None
-    if header is None and not first_line:
+        raise DataError(path, reader.line_num, f"not valid {kind} ({err})") from None
+    if header is None:
         raise DataError(path, None, "empty file: no header row")
-    header = header or []
-    missing = [name for name in fields if name not in header]
+    header_line = reader.line_num
+    if not header:
+        raise DataError(
+            path,
+            1,
+            f"line 1 is blank; the first line of a {kind} file is its header row, naming the columns "
+            f"({delimiter.join(fields)})",
+        )
+    columns = {}
+    for k, name in enumerate(header):
+        if name in columns:
+            raise DataError(
+                path,
+                header_line,
+                f"column {name!r} is named twice in the header (columns {columns[name] + 1} and {k + 1}); a reader "
+                "of the file would keep either one",
+            )
+        columns[name] = k
+    missing = [name for name in fields if name not in columns]
     if missing:
         hint = "; is it tab-separated? name it .tsv" if kind == "CSV" and "\t" in first_line[0] else ""
-        raise DataError(path, 1, f"no column {missing[0]!r}; the header has {header}{hint}")
+        raise DataError(path, header_line, f"no column {missing[0]!r}; the header has {header}{hint}")
+    width, picks = len(header), [(name, columns[name]) for name in fields]
+    checks = [columns[name] for name in nonempty]
     found = False
     try:
         for row in reader:
-            number = reader.line_num
-            empty = [name for name in fields if row.get(name) is None]
-            if empty:
-                raise DataError(path, number, f"row has no value for column {empty[0]!r}")
-            blank = [name for name in nonempty if not row[name].strip()]
-            if blank:
-                raise DataError(path, number, f"empty value in column {blank[0]!r}")
+            if len(row) != width:
+                if not row:
+                    continue  # a blank line
+                number = reader.line_num
+                if len(row) < width:
+                    raise DataError(path, number, f"row has no value for column {header[len(row)]!r}")
+                what = "a comma" if kind == "CSV" else "a tab"
+                raise DataError(
+                    path,
+                    number,
+                    f"row has {len(row)} fields where the header has {width} ({delimiter.join(header)}); quote a "
+                    f'value that holds {what} ("hello{delimiter} world")',
+                )
+            for k in checks:
+                if not row[k].strip():
+                    raise DataError(path, reader.line_num, f"empty value in column {header[k]!r}")
             found = True
-            yield {**{name: row[name] for name in fields}, "line": number}
+            example = {name: row[k] for name, k in picks}
+            example["line"] = reader.line_num
+            yield example
     except csv.Error as err:
-        # DictReader's own line_num is that of the last good row; its csv.reader's is the failing line's.
-        raise DataError(path, reader.reader.line_num, f"not valid {kind} ({err})") from None
+        raise DataError(path, reader.line_num, f"not valid {kind} ({err})") from None
     if not found:
         raise DataError(path, None, "empty file: a header row but no records")
 
@@ -422,7 +661,7 @@ def iter_ner_file(
     else:
         examples = (
             _ner_record(path, ex, tokens_field, tags_field, tag_names)
-            for ex in iter_jsonl(path, [tokens_field, tags_field])
+            for ex in _iter_json_records(path, [tokens_field, tags_field])
         )
     for ex in examples:
         if names is not None:
@@ -435,7 +674,8 @@ def iter_ner_file(
 
 
 def _ner_record(path, ex: dict, tokens_field: str, tags_field: str, tag_names) -> dict:
-    """One JSON-lines NER record checked: tokens a list of strings, tags as many strings (or integer ids)."""
+    """One JSON-lines NER record checked: tokens a list of strings, tags as many strings (or integer ids). A tag is
+    its text without whitespace around it (as every label, see :func:`canonical_label`)."""
     tokens, tags, line = ex[tokens_field], ex[tags_field], ex["line"]
     if not isinstance(tokens, list) or not all(isinstance(v, str) for v in tokens):
         raise DataError(path, line, f"field {tokens_field!r} must be a list of strings")
@@ -456,26 +696,44 @@ def _ner_record(path, ex: dict, tokens_field: str, tags_field: str, tag_names) -
             f"field {tags_field!r} holds integer ids; give the tag of each id in order with --tag_names "
             "(e.g. O,B-PER,I-PER: the dataset's ClassLabel names)",
         )
-    if any(isinstance(v, str) and not v.strip() for v in tags):
+    tags = [v.strip() if isinstance(v, str) else v for v in tags]
+    if any(isinstance(v, str) and not v for v in tags):
         raise DataError(path, line, f"field {tags_field!r} holds an empty tag")
     return {"tokens": tokens, "ner_tags": tags, "line": line, "tag_lines": [line] * len(tags)}
 
 
 def _is_int(value) -> bool:
+    """Whether ``value`` is an integer: a JSON integer (its text) or a Python ``int``."""
+    if isinstance(value, _JsonNumber):
+        return value.integer
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_ID = re.compile(r"-?[0-9]+")
 
 
 def _tag_name(tag, names: list[str], path, line) -> str:
     """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays."""
     if isinstance(tag, str) and tag in names:
         return tag
-    if _is_int(tag) or (isinstance(tag, str) and tag.isdigit() and tag.isascii()):
-        if 0 <= int(tag) < len(names):
-            return names[int(tag)]
-        raise DataError(
-            path, line, f"tag id {tag} is out of range: --tag_names has {len(names)} names (ids 0..{len(names) - 1})"
-        )
-    raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --tag_names {names}")
+    if isinstance(tag, _JsonNumber) and tag.integer:
+        text = tag.text
+    elif isinstance(tag, str) and _ID.fullmatch(tag):
+        text = tag
+    elif _is_int(tag):
+        if 0 <= tag < len(names):
+            return names[tag]
+        text = str(tag) if tag.bit_length() < 60 else f"(an integer of {tag.bit_length()} bits)"
+    else:
+        raise DataError(path, line, f"tag {tag!r} is neither an integer id nor one of --tag_names {names}")
+    # An id of more digits than an int64 is out of range (and int() refuses over 4,300 of them).
+    if _ID.fullmatch(text) and len(text.lstrip("-").lstrip("0")) <= 18 and 0 <= int(text) < len(names):
+        return names[int(text)]
+    raise DataError(
+        path,
+        line,
+        f"tag id {_shorten(text)} is out of range: --tag_names has {len(names)} names (ids 0..{len(names) - 1})",
+    )
 
 
 def read_table_file(
@@ -500,7 +758,7 @@ def iter_table_file(
     elif suffix in TSV_SUFFIXES:
         yield from iter_csv(path, fields, delimiter="\t", nonempty=nonempty)
     elif suffix in JSONL_SUFFIXES:
-        for ex in iter_jsonl(path, fields):
+        for ex in _iter_json_records(path, fields):
             for name in fields:
                 value = ex[name]
                 if name in list_fields and isinstance(value, list):
@@ -522,16 +780,18 @@ def iter_table_file(
 
 
 def _is_scalar(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, str | int | float)
+    return isinstance(value, str | _JsonNumber)
 
 
 def _scalar_text(value) -> str:
-    """A JSON string as it is; a JSON number as the text of its value (``1.0`` is ``"1"``, see canonical_label)."""
-    return value if isinstance(value, str) else canonical_label(value)
+    """A JSON string as it is; a JSON number as the text it is written with (``1.0`` stays ``"1.0"``, ``1e30``
+    ``"1e30"``)."""
+    return value if isinstance(value, str) else value.text
 
 
 def read_text_sentences(path: str | Path) -> list[dict]:
-    """Read plain text, one sentence per line, into ``{"tokens", "line"}``: the line's words split on whitespace.
+    """Read plain text, one sentence per line, into ``{"tokens", "line"}``: the line's words split on ASCII whitespace
+    (a no-break space, ``U+2028`` or ``\x1c`` inside a word is part of it).
 
     Blank lines are skipped. A file that reads as CoNLL instead (every line a single word, as in one word per line;
     or every line ending in a tag such as ``O`` / ``B-PER``) raises :class:`DataError`: name such a file ``.conll``.
@@ -546,7 +806,7 @@ def iter_text_sentences(path: str | Path) -> Iterator[dict]:
     for number, line in _iter_lines(path):
         if not line.strip():
             continue
-        ex = {"tokens": line.split(), "line": number}
+        ex = {"tokens": _split_words(line), "line": number}
         count += 1
         first = first or ex
         all_single = all_single and len(ex["tokens"]) == 1
@@ -570,7 +830,9 @@ def iter_text_sentences(path: str | Path) -> Iterator[dict]:
         )
 
 
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+_NUMBER = re.compile(r"([+-]?)(?:([0-9]+)(?:\.([0-9]*))?|\.([0-9]+))(?:[eE]([+-]?[0-9]+))?")
+# Digits mapped so that a longer or larger significand of a negative number sorts first.
+_NEGATE_DIGITS = str.maketrans("0123456789", "9876543210")
 
 
 def canonical_label(value) -> str:
@@ -578,9 +840,9 @@ def canonical_label(value) -> str:
 
     Labels keep their identity: ``"01"`` and ``"1"``, ``"1.1"`` and ``"1.10"``, ``"1.0"`` and ``"1"`` are different
     labels (section codes, zero-padded ids). Only spellings that cannot differ in meaning are merged: surrounding
-    whitespace (``" pos "`` is ``"pos"``), and a number that is not text (a JSON or Hub number) is the text of its
-    value: ``1`` and ``1.0`` are ``"1"`` (JSON has one number type), ``0.5`` is ``"0.5"``, and integers keep every
-    digit (``9007199254740993``).
+    whitespace (``" pos "`` is ``"pos"``), and a Python number (a Hub dataset's label) is the text of its value:
+    ``1`` and ``1.0`` are ``"1"``, ``0.5`` is ``"0.5"``, and integers keep every digit (``9007199254740993``). The
+    readers keep a JSON number as the text it is written with (``1.0``, ``1e30``), as in CSV.
     """
     if isinstance(value, str):
         return value.strip()
@@ -591,14 +853,35 @@ def canonical_label(value) -> str:
     return str(value) if isinstance(value, int) else repr(value)
 
 
-def _is_number(label: str) -> bool:
-    return _NUMBER.fullmatch(label) is not None
+def _number_key(label: str) -> tuple | None:
+    """A key that orders number labels by value, exactly and at any size (``1e1000000000000000000`` too, where
+    ``Decimal`` gives up); None for a label that is not a number (or has an exponent of over 4,300 digits)."""
+    match = _NUMBER.fullmatch(label)
+    if match is None:
+        return None
+    sign, whole, fraction, only_fraction, exponent = match.groups()
+    whole, fraction = whole or "", fraction or only_fraction or ""
+    try:
+        exponent = int(exponent) if exponent else 0
+    except ValueError:
+        return None
+    digits = whole + fraction
+    significand = digits.lstrip("0")
+    # The value is 0.<significand> * 10**magnitude; trailing zeros of the significand do not change it.
+    magnitude = len(whole) - (len(digits) - len(significand)) + exponent
+    significand = significand.rstrip("0")
+    if not significand:
+        return (0,)
+    if sign == "-":
+        return (-1, -magnitude, significand.translate(_NEGATE_DIGITS) + ":")  # ":" sorts after every digit
+    return (1, magnitude, significand)
 
 
 def _natural_key(label: str) -> tuple:
-    # Digit runs compare as numbers ("2" before "10", "1.2" before "1.10"); equal numbers by their text ("01" < "1").
+    # Digit runs compare as numbers ("2" before "10", "1.2" before "1.10"), by their length without leading zeros
+    # and then their digits (int() refuses over 4,300 digits); equal numbers by their text ("01" < "1").
     parts = re.split(r"([0-9]+)", label)
-    return tuple((int(part), part) if i % 2 else part for i, part in enumerate(parts))
+    return tuple((len(part.lstrip("0")), part.lstrip("0"), part) if i % 2 else part for i, part in enumerate(parts))
 
 
 def label_list(examples: Iterable[dict], key: str) -> list[str]:
@@ -613,8 +896,9 @@ def label_list(examples: Iterable[dict], key: str) -> list[str]:
     for ex in examples:
         value = ex[key]
         labels.update(canonical_label(v) for v in (value if isinstance(value, list) else [value]))
-    if labels and all(_is_number(label) for label in labels):
-        return sorted(labels, key=lambda label: (Decimal(label), label))
+    keys = {label: _number_key(label) for label in labels}
+    if labels and all(key is not None for key in keys.values()):
+        return sorted(labels, key=lambda label: (keys[label], label))
     return sorted(labels, key=_natural_key)
 
 
@@ -629,8 +913,8 @@ def check_labels(examples: Iterable[dict], key: str, known: Iterable[str], path:
 
     def refuse(label, line):
         message = f"label {label!r} does not occur in the training data {known}"
-        text = canonical_label(label)
-        same_value = [k for k in known if _is_number(text) and _is_number(k) and Decimal(k) == Decimal(text)]
+        value = _number_key(canonical_label(label))
+        same_value = [k for k in known if value is not None and _number_key(k) == value]
         if same_value:
             message += f"; labels are compared as text, and training spells this value {same_value[0]!r}"
         raise DataError(path, line, message)
@@ -673,7 +957,9 @@ def split_examples(
 ) -> tuple[list, ...]:
     """Shuffle with a fixed ``seed`` and cut into consecutive parts of the given fractions (deterministic).
 
-    A ``datasets.Dataset`` is cut into datasets (``select``: no row is copied), the same rows as its list would give.
+    A ``datasets.Dataset`` is cut into datasets, the same rows in the same order as its list would give (a
+    file-backed one's parts copied to files of their own, which read as fast as the file: see
+    :func:`~nlp_tricks.data.arrow.take_rows`).
     """
     if abs(sum(fractions) - 1.0) > 1e-9 or any(f < 0 for f in fractions):
         raise ValueError(f"fractions={tuple(fractions)} is not allowed; they must be >= 0 and sum to 1")
@@ -709,8 +995,51 @@ def kfold_examples(
     return _take(examples, rest[n_validation:]), _take(examples, rest[:n_validation]), _take(examples, test)
 
 
+def kfold_assignment(num_examples: int, num_folds: int, seed: int = 42, stratify: Sequence | None = None) -> list[int]:
+    """The fold (0 .. ``num_folds`` - 1) of each of ``num_examples`` examples, deterministic: every example is in
+    exactly one fold, and the folds differ in size by at most one.
+
+    The examples are shuffled once with ``seed``. Without ``stratify``, example ``i`` of that order is in fold
+    ``i % num_folds`` (the folds of :func:`kfold_examples`). With ``stratify`` (one label per example), the shuffled
+    examples are dealt to the folds class by class (classes in sorted order, one counter across them), so each fold
+    holds each class's share to within one example. Raises ``ValueError`` when there are fewer examples than folds,
+    or (stratified) a class with fewer examples than folds, naming it.
+    """
+    if int(num_folds) != num_folds or num_folds < 2:
+        raise ValueError(f"num_folds={num_folds} is not allowed; it must be an integer >= 2")
+    if num_examples < num_folds:
+        raise ValueError(f"{num_examples} examples for {num_folds} folds; every fold needs at least one example")
+    order = list(range(num_examples))
+    random.Random(seed).shuffle(order)
+    folds = [0] * num_examples
+    if stratify is None:
+        for i, j in enumerate(order):
+            folds[j] = i % num_folds
+        return folds
+    if len(stratify) != num_examples:
+        raise ValueError(f"{len(stratify)} labels to stratify by for {num_examples} examples")
+    by_class: dict = {}
+    for j in order:
+        by_class.setdefault(stratify[j], []).append(j)
+    for label in sorted(by_class, key=str):
+        if len(by_class[label]) < num_folds:
+            raise ValueError(
+                f"class {label!r} has {len(by_class[label])} examples, fewer than the {num_folds} folds; every fold "
+                "needs one to stratify"
+            )
+    counter = 0
+    for label in sorted(by_class, key=str):
+        for j in by_class[label]:
+            folds[j] = counter % num_folds
+            counter += 1
+    return folds
+
+
 def _take(examples: Sequence, indices: list[int]):
-    """The examples at ``indices`` in that order: a list, or of a dataset a dataset (its ``select``)."""
+    """The examples at ``indices`` in that order: a list, or of a dataset a dataset (the rows of its ``select``,
+    in a file of their own: see :func:`~nlp_tricks.data.arrow.take_rows`)."""
     if hasattr(examples, "select") and hasattr(examples, "column_names"):
-        return examples.select(indices)
+        from .arrow import take_rows
+
+        return take_rows(examples, indices)
     return [examples[j] for j in indices]

@@ -99,12 +99,17 @@ def resolve_embedding_module(model: nn.Module, target: str | None = None) -> nn.
     (``word_embeddings``).
     """
     if target is None:
-        if not hasattr(model, "get_input_embeddings"):
-            raise ValueError(
-                f"{type(model).__name__} has no get_input_embeddings(); name the module to attack with target= "
-                "(adv_target), e.g. 'word_embeddings'"
-            )
-        return model.get_input_embeddings()
+        if hasattr(model, "get_input_embeddings"):
+            return model.get_input_embeddings()
+        # A wrapper around one transformers model (a SentenceTransformer): that model's input embeddings.
+        inner = [m for m in model.modules() if m is not model and hasattr(m, "get_input_embeddings")]
+        outermost = [m for m in inner if not any(m is not o and m in set(o.modules()) for o in inner)]
+        if len(outermost) == 1:
+            return outermost[0].get_input_embeddings()
+        raise ValueError(
+            f"{type(model).__name__} has no get_input_embeddings(); name the module to attack with target= "
+            "(adv_target), e.g. 'word_embeddings'"
+        )
     modules = dict(model.named_modules())
     if target in modules:
         return modules[target]

@@ -32,6 +32,7 @@ __all__ = [
     "parse_class_weights",
     "rdrop_kl",
     "rdrop_loss",
+    "multilabel_categorical_crossentropy",
     "FocalLoss",
     "LabelSmoothingCrossEntropy",
 ]
@@ -531,6 +532,56 @@ def rdrop_loss(
     kwargs = dict(ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch)
     ce = cross_entropy(logits_a, labels, **kwargs) + cross_entropy(logits_b, labels, **kwargs)
     return ce + alpha * rdrop_kl(logits_a, logits_b, labels, **kwargs)
+
+
+def multilabel_categorical_crossentropy(
+    scores: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Multilabel categorical cross-entropy ``log(1 + sum_neg e^s) + log(1 + sum_pos e^-s)`` per row, in float32.
+
+    Su Jianlin 2020, https://kexue.fm/archives/7359 (the loss of GlobalPointer): each row (the last dimension) is one
+    item whose positive classes should score above 0 and whose negative classes below it, with no threshold to tune
+    and no imbalance weights however few positives a row holds. A span head's row is the ``W x W`` spans of one
+    sentence for one entity type.
+
+    Args:
+        scores (`torch.Tensor`): ``(..., C)`` scores, any float dtype.
+        targets (`torch.Tensor`): the same shape: 1 (positive), 0 (negative) or ``ignore_index`` (not a class of this
+            row: padding, a span that ends before it starts).
+        ignore_index (`int`, defaults to -100): target value of the entries that count in neither sum.
+        reduction (`str`, defaults to "mean"): "mean" (over the rows with at least one counted entry), "sum" or "none"
+            (per row, shape ``scores.shape[:-1]``; 0 for a row with no counted entry).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``; an
+            item is a row with at least one counted entry, so the count over a whole accumulated (and
+            multi-process) batch makes gradient accumulation exact.
+    """
+    if scores.shape != targets.shape or scores.dim() < 1:
+        raise ValueError(
+            f"scores of shape {tuple(scores.shape)} do not match targets of shape {tuple(targets.shape)}: expected "
+            "the same shape, one row per item in the last dimension"
+        )
+    counted = targets != ignore_index
+    positive = counted & (targets == 1)
+    negative = counted & (targets == 0)
+    if bool((counted & ~positive & ~negative).any()):
+        raise ValueError(f"targets must be 1, 0 or ignore_index={ignore_index}")
+    scores = scores.float()
+    loss = _log1p_sum_exp(scores, negative) + _log1p_sum_exp(-scores, positive)
+    items = counted.any(dim=-1)
+    return _reduce(loss, items.to(loss.dtype), loss.shape, reduction, num_items_in_batch)
+
+
+def _log1p_sum_exp(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log(1 + sum_{mask} e^x)`` over the last dimension: 0 where ``mask`` holds nothing (a finite gradient too)."""
+    x = x.masked_fill(~mask, -torch.inf)
+    # The result does not depend on the shift m, so it takes no gradient; m >= 0 keeps the "1 +" term finite.
+    m = x.amax(dim=-1, keepdim=True).clamp(min=0).detach()
+    return m.squeeze(-1) + torch.log(torch.exp(-m).squeeze(-1) + torch.exp(x - m).sum(dim=-1))
 
 
 class FocalLoss(nn.Module):

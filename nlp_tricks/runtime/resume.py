@@ -11,6 +11,7 @@ import zipfile
 from collections.abc import Sequence
 
 from .checkpoint import ADAPTER_FILES, TORCH_SUFFIXES, WEIGHTS_FILES, _first
+from .integrity import manifest_problem
 
 __all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "optimizer_groups_problem"]
 
@@ -31,8 +32,10 @@ def checkpoint_problem(folder: str | os.PathLike, required: Sequence[str] = ()) 
     DeepSpeed / FSDP layout); and every weight, optimizer, scheduler, scaler and RNG file in the folder is intact:
     a safetensors file as long as its header promises, a torch file with a readable zip directory whose members lie
     inside the file. These checks read headers only, so they take milliseconds on any model size; a crash truncates
-    files, which they catch, while bytes flipped inside a file are not checksummed here. ``required`` names further
-    files the run needs (e.g. a trick's state, such as the EMA's ``ema_state.safetensors``).
+    files, which they catch. Bytes changed at the same length pass them: where the folder holds the
+    ``checkpoint_manifest.json`` that TricksTrainer writes last, every file must also have the size and CRC-32 it
+    records (:func:`~nlp_tricks.runtime.integrity.manifest_problem`: every file is read once). ``required`` names
+    further files the run needs (e.g. a trick's state, such as the EMA's ``ema_state.safetensors``).
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
@@ -72,7 +75,7 @@ def checkpoint_problem(folder: str | os.PathLike, required: Sequence[str] = ()) 
     distributed_layout = "latest" in names or any(n.startswith("pytorch_model_fsdp") for n in names)
     if not (has_weights or distributed_layout):
         return f"no model weights ({', '.join(WEIGHTS_FILES)})"
-    return None
+    return manifest_problem(folder)
 
 
 def get_last_complete_checkpoint(output_dir: str | os.PathLike, required: Sequence[str] = ()) -> str | None:

@@ -37,6 +37,9 @@ TRAINER_METHODS = (
     "_prepare_inputs",
     "_set_signature_columns_if_needed",
     "_get_num_items_in_batch",
+    "_get_grad_norm",
+    "_save_checkpoint",
+    "_get_output_dir",
 )
 # Attributes a built `Trainer` holds (checked on an instance).
 TRAINER_ATTRIBUTES = (

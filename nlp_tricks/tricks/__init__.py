@@ -27,6 +27,7 @@ from .reinit_layers import ReinitLayers
 from .sam import SharpnessAwareMinimization
 from .scheduled_sampling import ScheduledSampling
 from .smart import SmoothnessRegularization
+from .span_head import SpanHeadTrick
 from .swa import CheckpointAveraging
 from .tie_encoder_decoder import TieEncoderDecoder
 
@@ -48,6 +49,7 @@ BUILT_IN_TRICKS = (
     ReinitLayers,
     ScheduledSampling,
     CRFHead,
+    SpanHeadTrick,
     MultiSampleDropoutHead,
     RDrop,
     SmoothnessRegularization,
@@ -136,6 +138,8 @@ def validate_arguments(args) -> None:
                     f"smart_alpha={args.smart_alpha} regularises the logits of one plain forward; it does not "
                     f"combine with {setting}; use one of them"
                 )
+    if args.span_head is not None:
+        _validate_span_head_with_others(args)
     if args.swa_last_k > 0 and getattr(args, "load_best_model_at_end", False):
         raise ValueError("swa_last_k and load_best_model_at_end both choose the final weights; use one of them")
     if args.swa_last_k > 0 and args.ema_eval:
@@ -143,3 +147,33 @@ def validate_arguments(args) -> None:
             "swa_last_k and ema_eval both choose the final weights; to average the raw checkpoints while keeping an "
             "EMA, set ema_eval=False"
         )
+
+
+def _validate_span_head_with_others(args) -> None:
+    """The span head replaces the token classifier and its loss: the settings that need either are refused."""
+    head = f"span_head={args.span_head!r}"
+    smoothing = getattr(args, "label_smoothing_factor", 0)
+    clashes = (
+        (args.crf, "crf=True (both replace the token classifier's loss; use one of them)"),
+        (args.pooling is not None, f"pooling={args.pooling!r} (sequence classification)"),
+        (
+            args.loss_type != "ce" or smoothing > 0 or args.temperature != 1.0,
+            f"loss_type={args.loss_type!r}, label_smoothing_factor={smoothing}, temperature="
+            f"{args.temperature} (the span loss replaces the loss: use 'ce', 0 and 1.0)",
+        ),
+        (args.class_weights is not None, "class_weights (they weigh token tags, which a span head has none of)"),
+        (
+            args.rdrop_alpha > 0,
+            f"rdrop_alpha={args.rdrop_alpha} (R-Drop's KL compares per-token class distributions; a span head's "
+            "logits are projections, its scores independent per span)",
+        ),
+        (args.smart_alpha > 0, f"smart_alpha={args.smart_alpha} (it regularises per-token class distributions)"),
+        (
+            args.head_dropout_samples > 1 or args.head_dropout > 0,
+            f"head_dropout_samples={args.head_dropout_samples}, head_dropout={args.head_dropout} (multi-sample "
+            "dropout needs a linear classifier)",
+        ),
+    )
+    for clash, setting in clashes:
+        if clash:
+            raise ValueError(f"{head} does not combine with {setting}")

@@ -112,14 +112,15 @@ class AdversarialArguments:
 class Adversarial(Trick):
     """Upstream's training step with the attack's passes added.
 
-    The gradient is the sum of the clean and the adversarial gradients (each loss normalised like the clean one, so
-    accumulation stays exact), and the returned loss, hence the logged ``loss``, is the CLEAN loss. ``loss_clean`` and
-    ``loss_adv`` are logged as well (``loss_adv`` averaged over the attacked micro-batches; FreeLB's is the mean of its
-    K passes); ``adv_skipped`` counts the micro-batches whose attack was skipped because the clean gradient was 0, inf
-    or NaN (fp16 overflow). Every backward but the step's last runs under ``no_sync``: one all-reduce per optimizer
-    step, as in plain training. With ``neftune_noise_alpha`` the passes of a micro-batch share one NEFTune noise draw
-    (:class:`~nlp_tricks.neftune.NEFTuneNoise`). Optimizer steps before ``adv_start_step`` are plain, counted as
-    ``adv_plain_steps``.
+    The gradient is the sum of the clean and the adversarial gradients (each loss normalised like the clean one;
+    the perturbation of ``adv_norm="global"`` depends on the micro-batch, ``example`` / ``token`` do not:
+    docs/tricks.md, "Exact under accumulation and DDP"), and the returned loss, hence the logged ``loss``, is the
+    CLEAN loss. ``loss_clean`` and ``loss_adv`` are logged as well (``loss_adv`` averaged over the attacked
+    micro-batches; FreeLB's is the mean of its K passes); ``adv_skipped`` counts the micro-batches whose attack was
+    skipped because the clean gradient was 0, inf or NaN (fp16 overflow). Every backward but the step's last runs
+    under ``no_sync``: one all-reduce per optimizer step, as in plain training. With ``neftune_noise_alpha`` the
+    passes of a micro-batch share one NEFTune noise draw (:class:`~nlp_tricks.neftune.NEFTuneNoise`). Optimizer
+    steps before ``adv_start_step`` are plain, counted as ``adv_plain_steps``.
     """
 
     arguments = AdversarialArguments

@@ -216,11 +216,14 @@ class LossFunction(Trick):
         return focal_alpha_weights(self.args.focal_alpha, names)
 
     def count_items(self, trainer, labels):
-        """With class weights a position weighs its class's weight: the divisor is the weight sum, as in
-        ``F.cross_entropy(weight=...)``."""
-        if self.class_weights is None:
+        """With class weights (or focal loss's ``focal_alpha``) a position weighs its class's weight: the divisor is
+        the weight sum, as in ``F.cross_entropy(weight=...)``."""
+        weight = self.class_weights
+        if weight is None and self.args.loss_type == "focal" and self.args.focal_alpha is not None:
+            weight = torch.tensor(self.focal_alpha(trainer), dtype=torch.float32)
+        if weight is None:
             return None
-        weight = self.class_weights.to(labels.device)
+        weight = weight.to(labels.device)
         return weight[labels.clamp(min=0)].mul(labels.ne(-100)).sum()
 
 

@@ -7,6 +7,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedModel
+from transformers.trainer_utils import unwrap_peft_model
+
 from ..runtime.averaging import average_into, last_complete_checkpoints
 from ..trick import Trick
 
@@ -49,7 +52,7 @@ class CheckpointAveraging(Trick):
         k = args.swa_last_k
         if int(k) != k or k < 0:
             raise ValueError(f"swa_last_k={k} is not allowed; it must be an integer >= 0 (0: off)")
-        if k == 0:
+        if k == 0 or not hasattr(args, "save_strategy"):  # TricksConfig alone: checked again with the host's args
             return
         if getattr(args.save_strategy, "value", args.save_strategy) == "no":
             raise ValueError(
@@ -64,6 +67,17 @@ class CheckpointAveraging(Trick):
 
     def summary(self) -> list[str]:
         return [f"swa_last_k={self.args.swa_last_k}"]
+
+    def setup(self, trainer) -> None:
+        if trainer.model is None:
+            return
+        model = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+        if not isinstance(model, PreTrainedModel):
+            raise ValueError(
+                f"swa_last_k={self.args.swa_last_k} averages the weights files of a transformers model's checkpoints; "
+                f"{type(model).__name__} saves its checkpoints otherwise (a folder of modules): average them yourself "
+                "with nlp_tricks.runtime.averaging.average_into, or leave swa_last_k at 0"
+            )
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.checkpoints = None

@@ -1,0 +1,85 @@
+"""What the scripts in ``recipes/`` share, one concern per module; every name is re-exported here.
+
+Each recipe stays one readable script and imports this package from its own folder (``from common import ...``);
+nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes use like any user would.
+
+- ``start``: :func:`start_recipe`, the start of every recipe's ``main`` (parse, seed, output folder).
+- ``parsing``: :func:`parse_recipe_args`, the command line parsed once into the argument dataclasses;
+  ``config_file``: a ``recipe.py run.yaml`` file's values, each checked as its flag would be; ``help``: ``--help`` in
+  groups.
+- ``arguments``: the shared argument dataclasses (data, model, the run's own flags).
+- ``data``: splits from files, the demo or the Hub; labels; the tokenizing map's options.
+- ``models``: the model to start from, its config, tokenizer and weights; a saved CRF kept.
+- ``outputs``: the output folder (an earlier run's results refused or removed) and atomic JSON.
+- ``run``: running a recipe (threads, one-line data errors) and the end of a run (train, evaluate, predict,
+  ``all_results.json``, the exit of a preempted run).
+- ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
+"""
+
+from .arguments import DataArguments, ModelArguments, RunArguments
+from .config_file import CONFIG_SUFFIXES
+from .data import (
+    check_label_arguments,
+    check_split_labels,
+    data_record,
+    eval_splits,
+    labelled_splits,
+    labels_of,
+    load_splits,
+    map_options,
+)
+from .errors import refusals_of_the_model
+from .models import (
+    DEMO_MODELS,
+    check_saved_crf,
+    load_classifier,
+    load_config_and_tokenizer,
+    load_weights,
+    model_holds_crf,
+    resolve_model_path,
+    saved_crf_defaults,
+)
+from .outputs import RESULT_OUTPUTS, RUN_OUTPUTS, prepare_output_dir, write_json_atomic
+from .parsing import parse_recipe_args
+from .process import is_main_process, logger, warn
+from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict, use_every_core
+from .start import start_recipe
+
+__all__ = [
+    "CONFIG_SUFFIXES",
+    "DEMO_MODELS",
+    "RESULT_OUTPUTS",
+    "RUN_OUTPUTS",
+    "DataArguments",
+    "ModelArguments",
+    "RunArguments",
+    "check_label_arguments",
+    "check_saved_crf",
+    "check_split_labels",
+    "data_record",
+    "eval_splits",
+    "exit_if_preempted",
+    "is_main_process",
+    "labelled_splits",
+    "labels_of",
+    "load_classifier",
+    "load_config_and_tokenizer",
+    "load_splits",
+    "load_weights",
+    "logger",
+    "map_options",
+    "model_holds_crf",
+    "own_rows",
+    "parse_recipe_args",
+    "prepare_output_dir",
+    "refusals_of_the_model",
+    "resolve_model_path",
+    "resume_argument",
+    "run_recipe",
+    "saved_crf_defaults",
+    "start_recipe",
+    "train_evaluate_predict",
+    "use_every_core",
+    "warn",
+    "write_json_atomic",
+]

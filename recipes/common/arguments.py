@@ -1,0 +1,123 @@
+"""The arguments every recipe shares: where the data comes from, which model, and the run's own flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataArguments:
+    """Where the examples come from. Each recipe extends it with its columns and lengths."""
+
+    dataset_name: str = field(
+        default="demo",
+        metadata={"help": "'demo' (the recipe's built-in offline data) or a Hub dataset. Ignored with --train_file."},
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "Training data (formats: see the recipe)."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, same formats."})
+    test_file: str | None = field(default=None, metadata={"help": "Test data, same formats; predictions are written."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training examples."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N validation (and test) examples."}
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Processes that tokenize the data (datasets' map num_proc); default: this process."},
+    )
+    overwrite_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Tokenize again instead of reading the tokenized data that an earlier run on the same files, "
+            "tokenizer and settings left in the datasets cache (HF_DATASETS_CACHE)."
+        },
+    )
+    split_seed: int = field(default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data."})
+    num_folds: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cross-validation of single-split data: cut it into N folds once (shuffled with --split_seed); "
+            "with --fold K the run tests on fold K and trains on the rest, a tenth of which is held out for "
+            "validation. recipes/ablation.py --folds N runs every fold."
+        },
+    )
+    fold: int | None = field(default=None, metadata={"help": "The test fold of --num_folds, 0 to N - 1."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace the results of an earlier run in --output_dir (its model, all_results.json, "
+            "predictions, checkpoints): they are removed before this run starts. Without it a run refuses an "
+            "--output_dir that holds results, so no file of an earlier run is left beside this run's."
+        },
+    )
+
+    def __post_init__(self):
+        if (self.num_folds is None) != (self.fold is None):
+            raise ValueError("num_folds and fold go together (e.g. --num_folds 5 --fold 0)")
+        if self.num_folds is not None and not (self.num_folds >= 2 and 0 <= self.fold < self.num_folds):
+            raise ValueError(
+                f"num_folds={self.num_folds}, fold={self.fold}: need num_folds >= 2, 0 <= fold < num_folds"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("max_") and f.name.endswith("_length") and value < 2:
+                raise ValueError(f"{f.name}={value} is not allowed; it must be >= 2")
+            # A slice end: -5 would drop the last 5 examples and 0 would leave none (a traceback further on).
+            if f.name.startswith("max_") and f.name.endswith("_samples") and value is not None and value < 1:
+                raise ValueError(
+                    f"{f.name}={value} is not allowed; it must be >= 1 (leave it out to keep every example)"
+                )
+        if self.train_file is None and (self.validation_file or self.test_file):
+            raise ValueError("validation_file / test_file need a train_file")
+
+
+@dataclass
+class ModelArguments:
+    """Which pretrained model to fine-tune."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A model folder, a Hub id, or a raw state-dict file (.pt/.bin/.safetensors, loaded into the "
+            "demo architecture). Default: the all-MiniLM-L6-v2 encoder shipped by the demo extra."
+        },
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code from the Hub repository (only for repositories you trust)."}
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh head when the model folder's head has another shape (e.g. a trained NER model "
+            "fine-tuned on data with other labels); its other weights are kept."
+        },
+    )
+
+
+@dataclass
+class RunArguments:
+    """The run itself: its time budget and the recipe's tricks on by default (every recipe has these;
+    parse_recipe_args applies them)."""
+
+    tricks: str = field(
+        default="default",
+        metadata={
+            "choices": ["default", "none"],
+            "help": "'default': the tricks this recipe turns on because its cross-validated evidence shows a gain "
+            "beyond seed noise (docs/evidence.md; listed below); 'none': the plain baseline, only the tricks you "
+            "give by flag. A trick's own flag always wins (--crf false), and a default that does not combine with "
+            "a flag you gave is left off with a warning.",
+        },
+    )
+
+    max_time: str | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock budget of this process, e.g. 8h45m, 30m, 90s: before it runs out, training stops "
+            "after a whole step, saves a complete checkpoint-N and exits with status 75 (as on SIGTERM); rerun "
+            "with --resume_from_checkpoint true. Counted from the process start, so loading is included; the "
+            "final evaluation and prediction of a finished run are not. See docs/checkpoints.md."
+        },
+    )
