@@ -23,6 +23,7 @@ from .tricks.ema import EMAArguments
 from .tricks.freeze_layers import FreezeArguments
 from .tricks.head_dropout import HeadDropoutArguments
 from .tricks.layer_decay import ParamGroupArguments
+from .tricks.loraplus import LoraPlusArguments
 from .tricks.loss_type import LOSS_TYPES, LossArguments
 from .tricks.pooling import PoolingArguments
 from .tricks.rdrop import RDropArguments
@@ -53,6 +54,7 @@ class TricksConfig(
     SAMArguments,
     RDropArguments,
     AdversarialArguments,
+    LoraPlusArguments,
     ParamGroupArguments,
     DistillationArguments,
     LossArguments,

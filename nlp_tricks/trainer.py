@@ -23,6 +23,7 @@ from transformers.utils import ModelOutput
 
 from .config import TricksArguments
 from .functional.adversarial import resolve_embedding_module
+from .functional.chunked_loss import HeadInputCapture, is_plain_linear
 from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
@@ -54,6 +55,7 @@ from .runtime.state import (
 from .runtime.streams import TrickDataStream
 from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, merge_options, nested
 from .tricks import built_in_tricks, tricks_section
+from .tricks.loss_type import LossFunction
 
 __all__ = ["TricksTrainer"]
 
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 # What an `exclusive` hook does, for the refusal of two tricks implementing it.
 _EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
+# The extension points of the full-logits loss pipeline: a subclass overriding one keeps a causal LM's full logits.
+_LOGITS_METHODS = ("compute_tricks_loss", "forward_for_loss", "head_samples", "labels_for_logits")
 
 
 class TricksTrainer(DropInLosses, Trainer):
@@ -151,6 +155,8 @@ class TricksTrainer(DropInLosses, Trainer):
         self._legacy_groups = False  # resuming an earlier TricksTrainer's optimizer state in its own group layout
         self._step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
         self._context: LossContext | None = None  # the loss context of the micro-batch being trained
+        self._lm_loss_path: str | None = None  # decided on first use (lm_loss_path)
+        self._loss_only = False  # inside a prediction step whose logits are not returned
         self._check_capabilities()
         # NEFTune: upstream's hook draws fresh noise at every forward, so a multi-pass step's passes would see other
         # noise than the clean pass they perturb; with such a trick the passes share one draw (runtime/passes.py).
@@ -367,6 +373,10 @@ class TricksTrainer(DropInLosses, Trainer):
         self, model: nn.Module, inputs: dict, label_key: str, num_items_in_batch, return_outputs
     ):
         """The loss pipeline of a batch with one label column (the loop in :mod:`nlp_tricks.trick`)."""
+        lean = self.lm_loss_path if label_key == "labels" and "teacher_logits" not in inputs else None
+        if lean == "model":  # the causal LM's own loss, as under plain Trainer (scaled for the devices there)
+            return super().compute_loss(model, inputs, True, num_items_in_batch)
+        original = inputs
         inputs = dict(inputs)
         labels = inputs.pop(label_key)
         loss_labels = self.labels_for_logits(labels, inputs.pop("shift_labels", None))
@@ -387,14 +397,30 @@ class TricksTrainer(DropInLosses, Trainer):
             batch = LossBatch(inputs, labels, loss_labels, teacher_logits, num_items)
             batch = self.call_tricks("prepare_loss_batch", value=batch, training=training)
             context.batch = batch
-            with self.call_tricks("forward_context", batch, training=training), self._capturing(model, batch):
+            # A causal LM with a loss trick on: the loss in chunks from the last hidden state, in training forwards
+            # and in evaluation forwards whose logits nobody reads.
+            chunk = lean == "chunked" and (training or self._loss_only)
+            head = self._lm_head(model) if chunk else None
+            capture = HeadInputCapture(head) if head is not None else contextlib.nullcontext()
+            with (
+                self.call_tricks("forward_context", batch, training=training),
+                self._capturing(model, batch),
+                capture,
+            ):
                 outputs = self.forward_for_loss(model, batch.inputs, batch.labels)
             if batch.loss_in_outputs:
                 loss = output_loss(outputs)
                 context.logits = output_logits(outputs)
             else:
                 logits = output_logits(outputs)
-                context.logits = logits
+                if head is not None:
+                    chunked = capture.logits(logits, batch.loss_labels.shape)
+                    if chunked is None:
+                        return self._full_logits_after_all(model, original, label_key, num_items_in_batch, capture)
+                    logits = chunked
+                    if isinstance(outputs, ModelOutput):
+                        outputs["logits"] = None  # the model computed the last position's only
+                context.logits = logits if torch.is_tensor(logits) else None
                 losses = []
                 for sample in self.head_samples(logits):
                     sample_loss = self.compute_tricks_loss(sample, batch.loss_labels, num_items_in_batch=num_items)
@@ -409,6 +435,76 @@ class TricksTrainer(DropInLosses, Trainer):
         if num_items is not None:
             loss = loss * self.loss_scale_for_devices()
         return loss, outputs
+
+    @property
+    def lm_loss_path(self) -> str | None:
+        """How this run computes a causal LM's loss with labels, decided once (docs/decoder_only.md); ``None`` for
+        other models.
+
+        - ``"model"``: every loss trick off: the model gets its labels and computes its own loss, as under plain
+          ``Trainer`` (fused kernels such as Liger's, ``logits_to_keep``, a model's own loss code then apply).
+        - ``"chunked"``: a loss trick on (``loss_type``, ``label_smoothing_factor``, ``temperature``,
+          ``class_weights``), or ``chunked_lm_loss``: in training forwards (and evaluation forwards whose logits are
+          not returned) the loss is computed from the last hidden state through the LM head in chunks of tokens,
+          skipping ignored positions, never holding the full logits; other evaluation forwards take it on the
+          logits.
+        - ``"logits"``: a trick that needs the full logits (:attr:`~nlp_tricks.Trick.needs_logits`: R-Drop, SMART,
+          scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
+          override of a full-logits extension point (``compute_tricks_loss``, ``forward_for_loss``,
+          ``head_samples``, ``labels_for_logits``), DeepSpeed / FSDP (the head's weight is sharded outside the
+          forward), a head that is not a plain ``nn.Linear``, or a model whose logits are not the head's output as
+          it is (soft-capping, scaling: checked on every chunked forward): the pipeline on the full logits.
+        """
+        if self._lm_loss_path is None and self.loss_shifts_labels:
+            self._lm_loss_path = self._decide_lm_loss_path()
+        return self._lm_loss_path
+
+    def _decide_lm_loss_path(self) -> str:
+        loss = self.get_trick(LossFunction)
+        chunked = getattr(self.tricks_config, "chunked_lm_loss", False)
+        overridden = [
+            name for name in _LOGITS_METHODS if getattr(type(self), name) is not getattr(TricksTrainer, name)
+        ]
+        if (
+            self.compute_loss_func is not None
+            or overridden
+            or self._requests
+            or any(t.needs_logits for t in self.tricks)
+        ):
+            path = "logits"
+        elif (loss is None or loss.is_models_own_loss()) and self._forward_accepts_loss_kwargs and not chunked:
+            path = "model"
+        elif self.is_deepspeed_enabled or self.is_fsdp_enabled or self._lm_head(self.model) is None:
+            path = "logits"
+        else:
+            path = "chunked"
+        if getattr(self.args, "use_liger_kernel", False) and path != "model":
+            how = "in chunks from the last hidden state" if path == "chunked" else "on the full logits"
+            self._warn_once(
+                f"use_liger_kernel=True: Liger's fused linear cross-entropy runs only when the model computes its own "
+                f"loss; with {', '.join(self._loss_tricks_in_use()) or 'this run'} TricksTrainer computes the loss "
+                f"{how} instead (Liger's other kernels still apply)"
+            )
+        return path
+
+    def _lm_head(self, model: nn.Module) -> nn.Linear | None:
+        """The causal LM's output projection when it is a plain ``nn.Linear`` (what the chunked loss reproduces)."""
+        unwrapped = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        get_head = getattr(unwrapped, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        return head if is_plain_linear(head) else None
+
+    def _full_logits_after_all(self, model, inputs, label_key, num_items_in_batch, capture: HeadInputCapture):
+        """The chunked loss found the model's logits other than its head's output (or the head not called once):
+        this batch again, and the run from now on, on the full logits."""
+        self._lm_loss_path = "logits"
+        self._warn_once(
+            f"{type(unwrap_peft_model(self.accelerator.unwrap_model(model))).__name__}'s logits are not its LM head's "
+            f"output as it is (soft-capping or scaling after the head, or {capture.calls} head calls in a forward): "
+            "the loss is taken on the full logits"
+        )
+        self._context.forget_pass()
+        return self._compute_labelled_loss(model, inputs, label_key, num_items_in_batch, False)
 
     @contextlib.contextmanager
     def _capturing(self, model: nn.Module, batch: LossBatch) -> Iterator[None]:
@@ -578,6 +674,7 @@ class TricksTrainer(DropInLosses, Trainer):
 
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
+        self._lm_loss_path = None  # decided again for this model
         if trial is None or self.hp_search_backend is None:  # a trial's tricks are built by _hp_search_setup
             self.call_tricks("prepare_model", model)
         return model
@@ -595,6 +692,7 @@ class TricksTrainer(DropInLosses, Trainer):
         self._streams.clear()
         fresh = [_fresh_copy(t) for t in self._trick_templates]
         self._use_tricks(built_in_tricks(self.tricks_config, user_tricks=fresh))
+        self._lm_loss_path = None
         self.call_tricks("prepare_model", self.model)
         self._check_capabilities()
         self._setup_tricks()
@@ -619,7 +717,13 @@ class TricksTrainer(DropInLosses, Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Upstream's step, with the logits passed through the tricks (a CRF's Viterbi paths as one-hot scores)."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        self._loss_only = prediction_loss_only  # the chunked loss needs no logits then
+        try:
+            loss, logits, labels = super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+            )
+        finally:
+            self._loss_only = False
         if self._implementers["adjust_predictions"] and logits is not None:
             first = logits[0] if isinstance(logits, (tuple, list)) else logits
             first = self.call_tricks("adjust_predictions", inputs, value=first, training=False)

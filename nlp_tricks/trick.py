@@ -41,6 +41,12 @@ everything not named here, unchanged)::
 
 Loss hooks (``prepare_loss_batch`` to ``adjust_logits_loss``, and ``count_items``) run in evaluation forwards too,
 unless the trick sets ``in_evaluation = False``; ``adjust_loss`` runs in training forwards only.
+
+A causal LM whose run has no trick that ``needs_logits`` takes a lean path through this loop (decided once, as
+``trainer.lm_loss_path``): with every loss trick off the model gets its labels and computes its own loss, as under
+plain ``Trainer``; with a loss trick on, the training forwards' ``logits`` are an ``LMHeadLogits`` (the last hidden
+state and the head's weight) and the configured loss is computed in chunks of tokens, never holding the full logits
+(docs/decoder_only.md).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ __all__ = [
     "HOOKS",
     "REMOVED_HOOKS",
     "OUTPUT_REQUESTS",
+    "LOGITS_HOOKS",
     "LossBatch",
     "LossContext",
     "DEFAULT_ORDER",
@@ -131,6 +138,19 @@ OUTPUT_REQUESTS = {
     "pooled": "the features entering the classification head's last linear layer (the pooled vector of a sequence "
     "classifier), before multi-sample dropout",
 }
+
+#: The hooks that get the logits, the outputs or the batch around them: a trick implementing one keeps a causal LM's
+#: full logits (:attr:`Trick.needs_logits`).
+LOGITS_HOOKS = (
+    "prepare_loss_batch",
+    "forward_context",
+    "forward",
+    "head_samples",
+    "compute_loss",
+    "adjust_logits_loss",
+    "adjust_loss",
+    "count_items",
+)
 
 #: The ``order`` of a trick that sets none: after the model's shape and the loss-term tricks (pooling, re-init,
 #: scheduled sampling, CRF, multi-sample dropout, R-Drop, SMART, distillation), before the configured loss, the
@@ -256,6 +276,12 @@ class Trick(TrainerCallback):
             ``unsupported_reason`` says why, in the refusal).
         outputs_needed: what to capture in training forwards for the loss hooks (keys of :data:`OUTPUT_REQUESTS`).
         logged_state: keys of :meth:`state_dict` logged as they are in every training log (counters).
+        needs_logits: whether it reads a causal LM's full logits (``outputs.logits``, ``loss_context.logits``, the
+            ``logits`` its hooks get). While no trick of a run does, a causal LM computes its own loss (every loss
+            trick off) or the configured loss is taken in chunks from the last hidden state, without the full
+            logits (docs/decoder_only.md). Default: it implements a hook that gets the logits or the outputs
+            (:data:`LOGITS_HOOKS`); set ``needs_logits = True`` for a trick that reads them elsewhere (an event, a
+            ``training_step``), ``False`` for one whose hooks never read them.
     """
 
     order: int = DEFAULT_ORDER
@@ -268,6 +294,10 @@ class Trick(TrainerCallback):
     unsupported_reason: str = ""
     outputs_needed: frozenset[str] = frozenset()
     logged_state: tuple[str, ...] = ()
+
+    @property
+    def needs_logits(self) -> bool:
+        return any(self.overrides(hook) for hook in LOGITS_HOOKS)
 
     # ---- Building (TricksTrainer.__init__) --------------------------------------------------------------------------
 

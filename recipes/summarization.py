@@ -26,6 +26,9 @@ Features:
   recipe's own defaults (``RECIPE_DEFAULTS``, those of the BERT2BERT runs in docs/recipes.md) and full fine-tuning.
 - LoRA (``--peft lora``, causal LMs; Hu et al. 2021, https://arxiv.org/abs/2106.09685): ``--lora_r``,
   ``--lora_alpha``, ``--lora_dropout``, ``--lora_target_modules`` (names or ``all-linear``); only the adapter trains.
+  PEFT's variants: ``--lora_use_rslora`` (alpha / sqrt(r)), ``--lora_use_dora`` (DoRA's magnitude and direction),
+  ``--lora_init`` (``gaussian``, ``pissa``, ``pissa_niter_<n>``, ``olora``, ``orthogonal``); LoRA+ is the trick
+  flag ``--loraplus_lr_ratio``.
   When training ends the adapter is merged into the weights (``--merge_lora``, on by default), so ``--output_dir``
   holds a plain model and evaluation generates without the adapter; ``--merge_lora false`` saves the adapter alone.
   Checkpoints hold the adapter.
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,8 +131,21 @@ DEMO_DEFAULTS = {
     "max_source_length": 256,
     "eval_strategy": "no",
     "per_device_eval_batch_size": 16,
+    "chunked_lm_loss": True,
 }
-LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32.0, "lora_dropout": 0.05, "lora_target_modules": ["all-linear"]}
+LORA_DEFAULTS = {
+    "lora_r": 16,
+    "lora_alpha": 32.0,
+    "lora_dropout": 0.0,  # PEFT's: dropout masks on every adapted layer's input cost a fifth of a demo step
+    "lora_target_modules": ["all-linear"],
+    "lora_init": "default",
+}
+LORA_SWITCHES = ("lora_use_rslora", "lora_use_dora")
+# --lora_init: PEFT's `init_lora_weights` values that need nothing but the model (not eva / corda / loftq, which take
+# data or a quantization config); "default" is PEFT's True (Kaiming-uniform A, zero B).
+LORA_INITS = ("default", "gaussian", "pissa", "pissa_niter_<n>", "olora", "orthogonal")
+# These start the adapter from the model's principal directions and subtract them from its own weights.
+LORA_INITS_CHANGING_THE_MODEL = ("pissa", "olora")
 # --generation_max_length, unless given: this percentile of the training summaries' lengths in tokens (EOS included).
 GENERATION_LENGTH_PERCENTILE = 99
 
@@ -239,6 +256,31 @@ class SummarizationModelArguments(ModelArguments):
             f"{' '.join(LORA_DEFAULTS['lora_target_modules'])})."
         },
     )
+    lora_use_rslora: bool = field(
+        default=False,
+        metadata={
+            "help": "--peft lora: rank-stabilised LoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732): the "
+            "update is scaled by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."
+        },
+    )
+    lora_use_dora: bool = field(
+        default=False,
+        metadata={
+            "help": "--peft lora: DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353): the adapted weight is a "
+            "trained magnitude per output times the direction W + BA (PEFT's use_dora; slower steps)."
+        },
+    )
+    lora_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "--peft lora: how the adapter starts (PEFT's init_lora_weights): 'default' (Kaiming-uniform A, "
+            "zero B: the model unchanged), 'gaussian', 'pissa' (Meng et al. 2024, https://arxiv.org/abs/2404.02948: "
+            "A and B from the weights' principal singular vectors, the rest left in the weights), 'pissa_niter_<n>' "
+            "(the same by a fast SVD of n iterations), 'olora' (Buyukakyuz 2024: from a QR decomposition) or "
+            "'orthogonal'. pissa and olora change the model's own weights, so they need --merge_lora (the default). "
+            "Default 'default'."
+        },
+    )
     merge_lora: bool = field(
         default=True,
         metadata={
@@ -250,9 +292,10 @@ class SummarizationModelArguments(ModelArguments):
     )
 
     def __post_init__(self):
-        lora_fields = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+        lora_fields = tuple(LORA_DEFAULTS)
         if self.peft == "none":
             given = [name for name in lora_fields if getattr(self, name) is not None]
+            given += [name for name in LORA_SWITCHES if getattr(self, name)]
             if given:
                 raise ValueError(f"{given[0]} applies to a LoRA adapter; add --peft lora (it is 'none')")
             return
@@ -267,6 +310,13 @@ class SummarizationModelArguments(ModelArguments):
             raise ValueError(f"lora_dropout={self.lora_dropout} is not allowed; it must be in [0, 1)")
         if not self.lora_target_modules or any(not name.strip() for name in self.lora_target_modules):
             raise ValueError("lora_target_modules: give at least one module name (e.g. q_proj v_proj) or all-linear")
+        if not re.fullmatch(r"default|gaussian|pissa|pissa_niter_\d+|olora|orthogonal", self.lora_init):
+            raise ValueError(f"lora_init={self.lora_init!r} is not allowed; choose one of {', '.join(LORA_INITS)}")
+        if self.lora_init.startswith(LORA_INITS_CHANGING_THE_MODEL) and not self.merge_lora:
+            raise ValueError(
+                f"lora_init={self.lora_init!r} moves the weights' principal part into the adapter, so an adapter "
+                "saved alone (--merge_lora false) would not fit the original model; keep --merge_lora true"
+            )
 
 
 def load_summarization_splits(data: SummarizationDataArguments) -> dict[str, tuple[Dataset, str]]:
@@ -553,14 +603,17 @@ class PromptCompletionTrainer(TricksTrainer):
         inputs = dict(inputs)
         prompt_ids = inputs.pop("prompt_input_ids", None)
         prompt_mask = inputs.pop("prompt_attention_mask", None)
-        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
         if prediction_loss_only or prompt_ids is None or not getattr(self.args, "predict_with_generate", True):
+            loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
             return loss, None, None
+        prompt_ids, prompt_mask = prompt_ids.to(self.args.device), prompt_mask.to(self.args.device)
+        loss, prompt_cache = self._loss_and_prompt_cache(model, inputs, prompt_ids, prompt_mask)
         model = self.accelerator.unwrap_model(model)
         completions = generate_completions(
             model,
-            prompt_ids.to(self.args.device),
-            prompt_mask.to(self.args.device),
+            prompt_ids,
+            prompt_mask,
+            **prompt_cache,
             max_new_tokens=getattr(self.args, "generation_max_length", None) or 128,
             num_beams=getattr(self.args, "generation_num_beams", None) or 1,
             do_sample=False,
@@ -568,6 +621,45 @@ class PromptCompletionTrainer(TricksTrainer):
             pad_token_id=self.processing_class.pad_token_id,
         )
         return loss, completions, inputs["labels"].to(completions.device)
+
+    def _loss_and_prompt_cache(self, model, inputs: dict, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """The batch's loss from one forward over the left-padded prompts followed by their right-padded
+        completions, and that forward's key / value cache cut to the prompts (their last token left out, for
+        ``generate`` to start from): generation then skips its own pass over the prompts. The positions are counted
+        from each row's first token, as ``generate`` counts them, so the loss is the right-padded batch's (float
+        round-off) and the cache the one ``generate`` would build, as ``generate``'s keyword. ``(loss, {})`` where the
+        model's cache cannot be cut (generation then reads the prompts itself)."""
+        inputs = self._prepare_inputs(inputs)
+        ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        prompt_lengths, lengths = prompt_mask.sum(1, keepdim=True), mask.sum(1, keepdim=True)
+        width = int((lengths - prompt_lengths).max())
+        index = prompt_lengths + torch.arange(width, device=ids.device)
+        present = index < lengths
+        index = index.clamp(max=ids.shape[1] - 1)
+        pad = self.processing_class.pad_token_id
+        completion = ids.gather(1, index).masked_fill(~present, pad)
+        completion_labels = labels.gather(1, index).masked_fill(~present, -100)
+        joint_mask = torch.cat([prompt_mask, present.long()], dim=1)
+        joint = {
+            "input_ids": torch.cat([prompt_ids, completion], dim=1),
+            "attention_mask": joint_mask,
+            "position_ids": (joint_mask.cumsum(1) - 1).clamp(min=0),
+            "labels": torch.cat([torch.full_like(prompt_ids, -100), completion_labels], dim=1),
+            "use_cache": True,
+        }
+        self._loss_only = True  # the loss's logits are not returned: a chunked loss may skip them
+        try:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                loss, outputs = self.compute_loss(model, joint, return_outputs=True)
+        finally:
+            self._loss_only = False
+        # Newer transformers name the outputs' and generate's `past_key_values` `cache`.
+        name = "cache" if isinstance(outputs, dict) and outputs.get("cache") is not None else "past_key_values"
+        cache = outputs.get(name) if isinstance(outputs, dict) else None
+        if cache is None or not hasattr(cache, "crop"):
+            return loss.detach().mean(), {}
+        cache.crop(prompt_ids.shape[1] - 1 - joint["input_ids"].shape[1])  # negative: the tokens to remove
+        return loss.detach().mean(), {name: cache}
 
 
 def check_causal_lm_arguments(training_args) -> None:
@@ -636,6 +728,9 @@ def add_lora(model, model_args: SummarizationModelArguments):
         lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        use_rslora=model_args.lora_use_rslora,
+        use_dora=model_args.lora_use_dora,
+        init_lora_weights=True if model_args.lora_init == "default" else model_args.lora_init,
         task_type="CAUSAL_LM",
     )
     try:

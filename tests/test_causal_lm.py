@@ -2,17 +2,22 @@
 Trainer do; the item count is over the shifted labels; the collator's `shift_labels` are honoured."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from packaging.version import Version
+from safetensors.torch import load_file
+from scripts.causal_lm_ddp import SETTINGS as DDP_SETTINGS
+from scripts.causal_lm_ddp import step_args as ddp_step_args
 from torch import nn
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import Gemma2Config, Gemma2ForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from classic_recipes import classic_fgm, classic_pgd
-from nlp_tricks import FGM, PGD, TricksTrainer
+from nlp_tricks import FGM, PGD, Trick, TricksTrainer
+from recipe_helpers import launch_ddp_script
 from tiny import bart_lm, bert_token_cls, tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm
 
@@ -220,6 +225,7 @@ ACCUMULATION_LOSSES = {
     "ce": {},
     "focal": {"loss_type": "focal", "focal_gamma": 2.0},
     "label_smoothing": {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
+    "dft": {"loss_type": "dft"},
 }
 
 
@@ -315,3 +321,237 @@ def test_attack_on_a_causal_lm_equals_the_classic_recipe_on_the_input_side(arch,
     for name in want:
         torch.testing.assert_close(ours[name], want[name], msg=name)
     assert adv > clean
+
+
+# ---- The lean loss paths: the model's own loss with tricks off, the chunked loss with a loss trick on -------------
+
+
+class KeepFullLogits(Trick):
+    needs_logits = True
+
+
+def _record_forward_kwargs(model):
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_tricks_off_the_model_gets_its_labels_and_computes_its_own_loss(tmp_path, arch):
+    """As under plain Trainer: labels and the item count go to the model (so its own loss code, `logits_to_keep`
+    and fused kernels apply); the loss is the model's, bit for bit."""
+    model = CAUSAL_LMS[arch]()
+    seen = _record_forward_kwargs(model)
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path))
+    assert trainer.lm_loss_path == "model"
+    n = torch.tensor(int(_shifted(batch["labels"]).ne(-100).sum()) + 7)
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
+    assert {"labels", "num_items_in_batch"} <= seen[-1]
+    assert torch.equal(loss, model(**batch, num_items_in_batch=n).loss)
+    # A trick that needs the logits, a loss trick, a subclass's own loss: the labels stay with TricksTrainer.
+    for kwargs, path in (({"tricks": [KeepFullLogits()]}, "logits"), ({}, "chunked")):
+        settings = {} if path == "logits" else {"loss_type": "focal"}
+        assert TricksTrainer(model=model, args=tricks_args(tmp_path, **settings), **kwargs).lm_loss_path == path
+    assert TricksTrainer(model=bert_token_cls(), args=tricks_args(tmp_path)).lm_loss_path is None
+
+
+def _dft_reference(x, y):
+    """-sg(p_y) log p_y per counted position, summed (Wu et al. 2025, Eq. 9)."""
+    valid = y.ne(-100)
+    log_p = x.float().log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (-log_p.detach().exp() * log_p)[valid].sum()
+
+
+def _focal_sum(x, y, gamma=2.0):
+    valid = y.ne(-100)
+    log_p = x.float().log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (-((1 - log_p.exp()) ** gamma) * log_p)[valid].sum()
+
+
+def _ce_sum(x, y, **kwargs):
+    return F.cross_entropy(x.float().transpose(1, 2), y, reduction="sum", **kwargs)
+
+
+# Each loss as a sum over the shifted positions, written out with torch.
+CHUNKED_CASES = {
+    "label_smoothing": (
+        {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
+        lambda x, y: _ce_sum(x, y, label_smoothing=0.1),
+    ),
+    "ce_smoothed": ({"label_smoothing_factor": 0.2}, lambda x, y: _ce_sum(x, y, label_smoothing=0.2)),
+    "focal": ({"loss_type": "focal", "focal_gamma": 2.0}, _focal_sum),
+    "temperature": ({"temperature": 2.0}, lambda x, y: _ce_sum(x / 2.0, y)),
+    "dft": ({"loss_type": "dft"}, _dft_reference),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+@pytest.mark.parametrize("arch", list(CAUSAL_LMS))
+def test_chunked_loss_and_gradients_equal_the_formula_on_the_full_logits(tmp_path, arch, case):
+    """A training forward with a loss trick on: the loss from the last hidden state in chunks (4 tokens here, so a
+    batch spans many), ignored positions skipped, equals the loss written out on logits[:, :-1] vs labels[:, 1:]
+    and so do the gradients of every weight (GPT-2's head tied to its embeddings, Llama's untied)."""
+    settings, reference = CHUNKED_CASES[case]
+    base = CAUSAL_LMS[arch]()
+    batch = _batch(causal_lm_data())
+    n = torch.tensor(int(_shifted(batch["labels"]).ne(-100).sum()) + 3)
+    ref = copy.deepcopy(base)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    want = reference(ref(**inputs).logits[:, :-1], _shifted(batch["labels"])) / n
+    want.backward()
+    model = copy.deepcopy(base).train()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **settings))
+    assert trainer.lm_loss_path == "chunked"
+    with mock.patch("nlp_tricks.functional.chunked_loss.CHUNK_ELEMENTS", 4 * 99):
+        loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
+    loss.backward()
+    # Float32 sums in another order (per chunk, per row): round-off only.
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_loss_keeps_no_full_logits(tmp_path):
+    """What autograd keeps for the backward: with the chunked loss nothing of vocabulary width (the model's head saw
+    the last position only, the chunks' logits are recomputed); on the full logits, the (B * L, V) logits."""
+    batch = _batch(causal_lm_data())
+    tokens, vocab = batch["input_ids"].numel(), 99
+    kept = {}
+    for name, tricks in (("chunked", []), ("logits", [KeepFullLogits()])):
+        model = llama_lm().train()
+        trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"), tricks=tricks)
+        assert trainer.lm_loss_path == name
+        shapes, weights = [], {p.data_ptr() for p in model.parameters()}
+
+        def keep(tensor, shapes=shapes, weights=weights):
+            if tensor.data_ptr() not in weights:  # activations only (a linear layer keeps its weight too)
+                shapes.append(tensor.shape)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            loss, outputs = trainer.compute_loss(model, batch, True, torch.tensor(50))
+        kept[name] = sum(shape.numel() for shape in shapes if shape and shape[-1] == vocab)
+        assert (outputs.logits is None) == (name == "chunked")
+    assert kept["logits"] >= tokens * vocab
+    assert kept["chunked"] == 0
+
+
+def test_a_model_that_changes_its_logits_after_the_head_falls_back_to_the_full_logits(tmp_path, caplog):
+    """Gemma-2 soft-caps its logits (tanh(x / c) c): the chunked loss would score the head's raw output, so the first
+    training forward sees the difference, warns once and takes this batch and the rest of the run on the full
+    logits, which equal the loss written out on the model's (capped) logits."""
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, final_logit_softcapping=0.5, pad_token_id=0,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).train()
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"))
+    assert trainer.lm_loss_path == "chunked"
+    n = torch.tensor(40)
+    with caplog.at_level("WARNING"):
+        loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
+    assert trainer.lm_loss_path == "logits"
+    assert "logits are not its LM head's output" in caplog.text
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    torch.testing.assert_close(loss, _focal_sum(logits[:, :-1], _shifted(batch["labels"])) / n)
+
+
+class LogitPenalty(Trick):
+    def adjust_loss(self, trainer, inputs, outputs, loss):
+        return loss + 0.1 * outputs.logits.pow(2).mean()
+
+
+def test_a_trick_reading_the_logits_keeps_them_and_one_that_says_it_does_not_need_them_does_not(tmp_path):
+    model = llama_lm().train()
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"), tricks=[LogitPenalty()])
+    assert trainer.lm_loss_path == "logits"
+    trainer.compute_loss(model, batch, num_items_in_batch=torch.tensor(40))  # outputs.logits are there
+
+    class ConstantTerm(Trick):
+        needs_logits = False
+
+        def adjust_loss(self, trainer, inputs, outputs, loss):
+            return loss + 1.0
+
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"), tricks=[ConstantTerm()])
+    assert trainer.lm_loss_path == "chunked"
+    for trick_settings in (
+        {"rdrop_alpha": 1.0},
+        {"scheduled_sampling": "linear", "ss_k": 100},
+        {"smart_alpha": 1.0},
+    ):
+        path = TricksTrainer(model=model, args=tricks_args(tmp_path, **trick_settings)).lm_loss_path
+        assert path == "logits", trick_settings
+
+
+def test_liger_with_a_loss_trick_warns_once(tmp_path, caplog):
+    trainer = TricksTrainer(model=llama_lm(), args=tricks_args(tmp_path, loss_type="focal"))
+    trainer.args.use_liger_kernel = True  # set after building: the test needs no liger-kernel installed
+    with caplog.at_level("WARNING"):
+        assert trainer.lm_loss_path == "chunked"
+        assert trainer.lm_loss_path == "chunked"
+    assert caplog.text.count("Liger's fused linear cross-entropy runs only when the model computes its own loss") == 1
+    assert "loss_type='focal'" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return launch_ddp_script("causal_lm_ddp.py", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DDP_SETTINGS))
+def test_chunked_loss_under_ddp_equals_one_process(ddp_run, tmp_path, name):
+    """2 processes x 2 micro-batches of 2 sequences (the head's weight used outside the DDP forward, its gradient
+    all-reduced as every other) equal one process with the 8 sequences."""
+    single = TricksTrainer(
+        model=llama_lm(),
+        args=ddp_step_args(tmp_path, per_device_train_batch_size=8, **DDP_SETTINGS[name]),
+        train_dataset=causal_lm_data(n=8),
+    )
+    single.train()
+    rank0 = load_file(str(ddp_run / f"{name}_rank0.safetensors"))
+    rank1 = load_file(str(ddp_run / f"{name}_rank1.safetensors"))
+    for key, value in single.model.state_dict().items():
+        assert torch.equal(rank0[key], rank1[key]), f"{name}: {key} differs between ranks"
+        # Summation order differs (per-rank partial sums, then the all-reduce): float32 round-off only.
+        torch.testing.assert_close(rank0[key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_chunked_lm_loss_with_tricks_off_equals_the_models_own_loss(tmp_path):
+    """`chunked_lm_loss`: cross-entropy in chunks instead of the model's own loss, the same loss and gradients."""
+    base = llama_lm()
+    batch = _batch(causal_lm_data())
+    n = torch.tensor(int(_shifted(batch["labels"]).ne(-100).sum()))
+    ref = copy.deepcopy(base)
+    want = ref(**batch, num_items_in_batch=n).loss
+    want.backward()
+    model = copy.deepcopy(base).train()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, chunked_lm_loss=True))
+    assert trainer.lm_loss_path == "chunked"
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)  # float32 sums in another order
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_evaluation_chunks_only_when_no_logits_are_returned(tmp_path):
+    """A prediction step that returns the loss only takes it in chunks (a mean over the batch, as on the full
+    logits); one that returns predictions gets the model's full logits."""
+    model = llama_lm().eval()
+    batch = _batch(causal_lm_data())
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, loss_type="focal"))
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    valid = int(_shifted(batch["labels"]).ne(-100).sum())
+    want = _focal_sum(logits[:, :-1], _shifted(batch["labels"])) / valid
+    loss, none, _ = trainer.prediction_step(model, batch, prediction_loss_only=True)
+    assert none is None
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss, predicted, _ = trainer.prediction_step(model, batch, prediction_loss_only=False)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(predicted, logits)

@@ -1,11 +1,14 @@
 """Losses against torch's own functions and against plain reference implementations written here."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nlp_tricks import FocalLoss, LabelSmoothingCrossEntropy, focal_loss, label_smoothing_cross_entropy
-from nlp_tricks.losses import cross_entropy, distillation_loss
+from nlp_tricks.losses import cross_entropy, dft_loss, distillation_loss
+from tiny import bert_token_cls, one_sgd_step_trainer, token_cls_data
 
 
 def _data(shape=(6, 5), num_classes=7, ignore_frac=0.3, seed=0):
@@ -201,3 +204,59 @@ def test_distillation_temperature_squared_keeps_gradients_comparable():
     assert errors[0] < 0.3 and errors[1] < 0.6 * errors[0] and errors[2] < 0.6 * errors[1], errors
     grads = [torch.autograd.grad(distillation_loss(s, t, temperature=T), s)[0].norm() for T in (2.0, 10.0)]
     assert 0.5 < float(grads[0] / grads[1]) < 2.0
+
+
+# ---- DFT ---------------------------------------------------------------------------------------------------------
+
+
+def _dft_reference(logits, labels, ignore_index=-100):
+    """Per-item loop, in float64: the item's cross-entropy times its own probability held constant,
+    -sg(p_y) log p_y (Wu et al. 2025, Eq. 9); the mean over counted items."""
+    flat, ys = logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1)
+    total, count = 0.0, 0
+    for row, y in zip(flat, ys):
+        if y == ignore_index:
+            continue
+        log_p = torch.log_softmax(row, -1)[y]
+        total = total - log_p.detach().exp() * log_p
+        count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 5)])
+def test_dft_equals_its_formula_in_value_and_gradient(shape):
+    logits, labels = _data(shape)
+    ours = dft_loss(logits, labels)
+    (grad,) = torch.autograd.grad(ours, logits)
+    ref_logits = logits.detach().double().requires_grad_()
+    want = _dft_reference(ref_logits, labels)
+    (want_grad,) = torch.autograd.grad(want, ref_logits)
+    torch.testing.assert_close(ours, want.float())
+    # d/dx of -sg(p) log p = p * (softmax - onehot): cross-entropy's gradient, scaled by the item's probability.
+    torch.testing.assert_close(grad, want_grad.float())
+    torch.testing.assert_close(
+        dft_loss(logits, labels, num_items_in_batch=37), dft_loss(logits, labels, reduction="sum") / 37
+    )
+    per_item = dft_loss(logits, labels, reduction="none")
+    assert per_item.shape == labels.shape and (per_item[labels == -100] == 0).all()
+
+
+def test_dft_one_step_on_4_equals_2_x_2_accumulated(tmp_path):
+    """Token classification (the configured loss_type): one SGD step on 4 sentences (different label counts) equals
+    2 micro-batches of 2, as the loss is a sum over the step's item count."""
+    base = bert_token_cls()
+    runs = {}
+    for bs, ga in ((4, 1), (2, 2)):
+        model = copy.deepcopy(base)
+        trainer = one_sgd_step_trainer(
+            tmp_path / f"{bs}x{ga}", model, token_cls_data(n=4), loss_type="dft",
+            per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+        )  # fmt: skip
+        trainer.train()
+        runs[(bs, ga)] = model
+    changed = False
+    for name, p in runs[(4, 1)].named_parameters():
+        # Float32 sums in another order (two micro-batches): round-off only.
+        torch.testing.assert_close(runs[(2, 2)].get_parameter(name), p, rtol=1e-5, atol=1e-7, msg=name)
+        changed |= not torch.equal(p, base.get_parameter(name))
+    assert changed

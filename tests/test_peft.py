@@ -284,3 +284,116 @@ def test_adapter_run_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, ca
     passes = 2 if ADAPTER_CASES[case][2].get("adversarial") == "fgm" else 1
     accumulation = ADAPTER_CASES[case][2].get("gradient_accumulation_steps", 1)
     assert state["loss_calls"] == MAX_STEPS * accumulation * passes
+
+
+# ---- LoRA+ -------------------------------------------------------------------------------------------------------
+
+
+def _by_parameter(model, groups):
+    """{name: (lr, weight_decay)} of an optimizer's groups; every trainable parameter in exactly one."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group in groups:
+        for p in group["params"]:
+            assert names[id(p)] not in out, f"{names[id(p)]} is in two groups"
+            out[names[id(p)]] = (group["lr"], group["weight_decay"])
+    assert set(out) == {n for n, p in model.named_parameters() if p.requires_grad}
+    return out
+
+
+def _assert_same_rates(ours: dict, want: dict) -> None:
+    assert set(ours) == set(want)
+    for name, (lr, wd) in want.items():
+        assert ours[name][0] == pytest.approx(lr, rel=1e-12) and ours[name][1] == wd, f"{name}: {ours[name]}"
+
+
+LORAPLUS_MODELS = {
+    "llama q/v": lambda: lora_causal_lm(),
+    "llama dora": lambda: lora_causal_lm(use_dora=True),
+    "llama lora biases": lambda: lora_causal_lm(lora_bias=True),
+    "bert classifier (modules_to_save: a head bias)": lambda: lora_token_classifier(),
+}
+
+
+@pytest.mark.parametrize("name", list(LORAPLUS_MODELS))
+def test_loraplus_groups_equal_peft_create_loraplus_optimizer(tmp_path, name):
+    """With no other group rule on, every trainable parameter gets the learning rate and weight decay that PEFT's own
+    create_loraplus_optimizer gives it: B matrices (and every other trainable 1-D parameter: DoRA's magnitudes,
+    LoRA's and the head's biases) at ratio x lr, the rest at lr."""
+    from peft.optimizers import create_loraplus_optimizer
+
+    model = LORAPLUS_MODELS[name]()
+    args = tricks_args(tmp_path, learning_rate=LR, weight_decay=0.01, loraplus_lr_ratio=16.0)
+    ours = _by_parameter(model, TricksTrainer(model=model, args=args).create_optimizer().param_groups)
+    peft_groups = create_loraplus_optimizer(
+        model, torch.optim.AdamW, lr=LR, loraplus_lr_ratio=16.0, loraplus_weight_decay=0.01
+    ).param_groups
+    _assert_same_rates(ours, _by_parameter(model, peft_groups))
+    assert sorted({round(lr / LR, 9) for lr, _ in ours.values()}) == [1.0, 16.0]
+
+
+def test_loraplus_embedding_adapters_train_at_their_own_rate(tmp_path):
+    """lora.Embedding's A and B at loraplus_lr_embedding, as PEFT's function gives them where it finds them (its
+    releases before the fix put none in its embedding group: there the rule written out is the reference)."""
+    from peft.optimizers import create_loraplus_optimizer
+
+    model = lora_causal_lm(target_modules=["q_proj", "embed_tokens"])
+    args = tricks_args(tmp_path, learning_rate=LR, loraplus_lr_ratio=4.0, loraplus_lr_embedding=1e-4)
+    ours = _by_parameter(model, TricksTrainer(model=model, args=args).create_optimizer().param_groups)
+    want = {
+        name: (1e-4 if "lora_embedding_" in name else 4 * LR if "lora_B" in name else LR, 0.0)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    _assert_same_rates(ours, want)
+    peft_groups = create_loraplus_optimizer(
+        model, torch.optim.AdamW, lr=LR, loraplus_lr_ratio=4.0, loraplus_lr_embedding=1e-4
+    ).param_groups
+    if peft_groups[1]["params"]:  # PEFT's embedding group
+        _assert_same_rates(ours, _by_parameter(model, peft_groups))
+
+
+def test_loraplus_multiplies_with_layer_decay(tmp_path):
+    """A B matrix of layer i at lr * decay^(L - i) * ratio, its A matrix at lr * decay^(L - i) (Llama: L = 2)."""
+    model = lora_causal_lm()
+    args = tricks_args(tmp_path, learning_rate=LR, layer_decay=0.5, loraplus_lr_ratio=16.0)
+    ours = _by_parameter(model, TricksTrainer(model=model, args=args).create_optimizer().param_groups)
+    for name, (lr, _) in ours.items():
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        want = LR * 0.5 ** (2 - layer) * (16.0 if "lora_B" in name else 1.0)
+        assert lr == pytest.approx(want, rel=1e-12), name
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"loraplus_lr_ratio": 0.0}, "loraplus_lr_ratio=0.0 is not allowed; it must be > 0"),
+        ({"loraplus_lr_embedding": 1e-5}, "loraplus_lr_embedding applies with loraplus_lr_ratio, which is not set"),
+        ({"loraplus_lr_ratio": 4.0, "loraplus_lr_embedding": -1.0}, "loraplus_lr_embedding=-1.0 is not allowed"),
+    ],
+)
+def test_loraplus_bad_values_name_the_field(tmp_path, settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tricks_args(tmp_path, **settings)
+
+
+def test_loraplus_on_a_model_without_lora_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="has no trainable lora_B parameter"):
+        TricksTrainer(model=llama_lm(), args=tricks_args(tmp_path, loraplus_lr_ratio=16.0))
+
+
+def test_layer_decay_puts_dora_magnitudes_in_their_layers(tmp_path):
+    """DoRA's magnitude vectors (`...q_proj.lora_magnitude_vector.default.weight`) belong to the layer their name
+    numbers: layer i of L at lr * decay^(L - i), like its A and B (Llama: L = 2); with weight decay, as upstream's
+    rule gives a 1-D parameter that is neither a bias nor a norm."""
+    model = lora_causal_lm(use_dora=True)
+    args = tricks_args(tmp_path, learning_rate=LR, weight_decay=0.01, layer_decay=0.5)
+    groups = TricksTrainer(model=model, args=args).create_optimizer().param_groups
+    ours = _by_parameter(model, groups)
+    magnitudes = [name for name in ours if "lora_magnitude_vector" in name]
+    assert len(magnitudes) == 4
+    for name in magnitudes:
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        assert ours[name] == (pytest.approx(LR * 0.5 ** (2 - layer), rel=1e-12), 0.01), name
+    labels = {g["label"] for g in groups for p in g["params"] if any(p is model.get_parameter(n) for n in magnitudes)}
+    assert labels == {"layer_0", "layer_1"}

@@ -8,6 +8,7 @@ Tiny Llama folders from config (recipe_helpers.make_tiny_causal_model); no downl
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -175,9 +176,10 @@ def test_the_default_model_brings_the_demo_defaults_and_others_keep_the_recipes(
     assert (model.lora_r, model.lora_alpha, model.lora_dropout, model.lora_target_modules) == (
         16,
         32.0,
-        0.05,
+        0.0,  # PEFT's default
         ["all-linear"],
     )
+    assert training.chunked_lm_loss
     assert training.learning_rate == summarization.DEMO_DEFAULTS["learning_rate"]
     assert data.max_source_length == summarization.DEMO_DEFAULTS["max_source_length"]
     assert training.eval_strategy == "no" and training.generation_max_length is None  # from the data
@@ -331,3 +333,93 @@ def test_generation_length_and_lengths_are_recorded(tiny_llama, tmp_path, monkey
     for prefix in ("eval", "test"):
         assert results[f"{prefix}_ref_len"] == pytest.approx(np.mean([len(s.split()) for s in SUMMARIES]))
         assert 0 <= results[f"{prefix}_gen_len"] <= 8 and 0 <= results[f"{prefix}_gen_stopped"] <= 1
+
+
+# ---- PEFT's LoRA variants as flags ---------------------------------------------------------------------------------
+
+VARIANT_FLAGS = ["--model_name_or_path", "some/llama", "--peft", "lora", "--lora_r", "4", "--lora_alpha", "8"]
+VARIANT_FLAGS += ["--lora_target_modules", "q_proj", "v_proj"]
+
+
+def adapter(*flags):
+    """A tiny Llama with the adapter the recipe builds for ``flags``, and a copy of the Llama before."""
+    from tiny_causal import llama_lm
+
+    _, model_args, _ = parse(*VARIANT_FLAGS, *flags)
+    base = llama_lm()
+    original = {name: p.detach().clone() for name, p in base.named_parameters()}
+    return summarization.add_lora(base, model_args), original
+
+
+def adapted_layers(model):
+    from peft.tuners.lora import LoraLayer
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    assert len(layers) == 4  # q_proj and v_proj of 2 layers
+    return layers
+
+
+def original_weight(original, name):
+    return original[name.removeprefix("base_model.model.") + ".weight"]
+
+
+def test_lora_use_rslora_scales_by_alpha_over_sqrt_r():
+    for flags, want in (([], 8 / 4), (["--lora_use_rslora"], 8 / math.sqrt(4))):
+        model, _ = adapter(*flags)
+        for _, layer in adapted_layers(model):
+            assert layer.scaling["default"] == pytest.approx(want)
+
+
+def test_lora_use_dora_adds_a_magnitude_per_output_starting_at_the_weights_norm():
+    """DoRA (Liu et al. 2024): W' = m (W + s BA) / ||W + s BA|| per output row; m starts at ||W|| (B = 0)."""
+    model, original = adapter("--lora_use_dora")
+    for name, layer in adapted_layers(model):
+        magnitude = layer.lora_magnitude_vector["default"].weight
+        assert magnitude.requires_grad
+        torch.testing.assert_close(magnitude, torch.linalg.norm(original_weight(original, name), dim=1))
+    plain, _ = adapter()
+    assert not any("lora_magnitude_vector" in n for n, _ in plain.named_parameters())
+
+
+def test_lora_init_pissa_moves_the_principal_part_into_the_adapter():
+    """PiSSA (Meng et al. 2024): s B A is the rank-r truncated SVD of W (torch's), the layer keeps W - s B A, so the
+    model is unchanged at the start."""
+    model, original = adapter("--lora_init", "pissa")
+    for name, layer in adapted_layers(model):
+        w = original_weight(original, name)
+        u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+        principal = u[:, :4] @ torch.diag(sv[:4]) @ vh[:4]
+        update = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        torch.testing.assert_close(update, principal, rtol=1e-4, atol=1e-5)  # two SVDs of one matrix: round-off
+        torch.testing.assert_close(layer.base_layer.weight + update, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("init", ["olora", "orthogonal", "gaussian"])
+def test_lora_init_is_peft_init_lora_weights(init):
+    """Each --lora_init value is LoraConfig's init_lora_weights, and the adapted model computes what the original
+    did (OLoRA moves a QR part of W into the adapter; gaussian and orthogonal start with B A = 0)."""
+    model, original = adapter("--lora_init", init)
+    assert model.peft_config["default"].init_lora_weights == init
+    for name, layer in adapted_layers(model):
+        update = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        moved = not torch.equal(layer.base_layer.weight, original_weight(original, name))
+        assert moved == (init == "olora")
+        torch.testing.assert_close(layer.base_layer.weight + update, original_weight(original, name))
+    default, _ = adapter()
+    assert default.peft_config["default"].init_lora_weights is True
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--peft", "lora", "--lora_init", "eva"], "lora_init='eva' is not allowed; choose one of default, gaussian"),
+        (["--peft", "lora", "--lora_init", "olora", "--merge_lora", "false"], "lora_init='olora' moves the weights'"),
+        (["--lora_use_dora"], "lora_use_dora applies to a LoRA adapter; add --peft lora"),
+    ],
+)
+def test_bad_lora_variant_flags_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(*VARIANT_FLAGS[:2], *argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

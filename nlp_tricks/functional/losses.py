@@ -6,6 +6,10 @@ whatever the logits' dtype. When ``num_items_in_batch`` is given the result is `
 normaliser the Trainer counts over a whole accumulated (and multi-process) batch, which makes gradient accumulation
 exact.
 
+``cross_entropy``, ``focal_loss``, ``label_smoothing_cross_entropy`` and ``dft_loss`` also take, in place of the
+logits, an :class:`~nlp_tricks.functional.chunked_loss.LMHeadLogits` (a linear LM head's input and weight): the same
+loss computed in chunks of tokens, never holding the ``(tokens, vocab)`` logits.
+
 No Trainer imports here: these are usable in any training loop.
 """
 
@@ -15,11 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .chunked_loss import LMHeadLogits
+
 __all__ = [
     "focal_alpha_weights",
     "focal_loss",
     "label_smoothing_cross_entropy",
     "cross_entropy",
+    "dft_loss",
     "distillation_loss",
     "balanced_class_weights",
     "parse_class_weights",
@@ -33,12 +40,14 @@ __all__ = [
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _flatten(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(logits: torch.Tensor | LMHeadLogits, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not match labels of shape {tuple(labels.shape)}: "
             "expected logits (N, C) with labels (N,), or (B, L, C) with (B, L)"
         )
+    if isinstance(logits, LMHeadLogits):
+        return logits.flatten(), labels.reshape(-1)
     return logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
 
 
@@ -93,8 +102,14 @@ class _LogitStats(torch.autograd.Function):
 
 
 def _logit_stats(
-    logits: torch.Tensor, labels: torch.Tensor, mean_weight: torch.Tensor | None = None
+    logits: torch.Tensor | LMHeadLogits,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    mean_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse, target, mean)`` per row; an :class:`LMHeadLogits` computes them at the ``valid`` rows only."""
+    if isinstance(logits, LMHeadLogits):
+        return logits.stats(labels, valid, mean_weight)
     return _LogitStats.apply(logits, labels, mean_weight)
 
 
@@ -141,7 +156,7 @@ def focal_loss(
     logits, labels = _flatten(logits, labels)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, 0)
-    lse, target, _ = _logit_stats(logits, safe_labels)
+    lse, target, _ = _logit_stats(logits, safe_labels, valid)
     log_pt = target - lse
     if gamma == 0:
         loss = -log_pt
@@ -221,12 +236,12 @@ def label_smoothing_cross_entropy(
     safe_labels = torch.where(valid, labels, 0)
     weight = _class_weight(weight, logits.shape[-1], logits)
     if weight is None:
-        lse, target, mean = _logit_stats(logits, safe_labels)
+        lse, target, mean = _logit_stats(logits, safe_labels, valid)
         # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
         loss = torch.where(valid, lse - (1.0 - epsilon) * target - epsilon * mean, 0.0)
         return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
     num_classes = logits.shape[-1]
-    lse, target, weighted_mean = _logit_stats(logits, safe_labels, weight / num_classes)
+    lse, target, weighted_mean = _logit_stats(logits, safe_labels, valid, weight / num_classes)
     item_weight = torch.where(valid, weight[safe_labels], 0.0)
     # sum_c w_c (-log p_c) / C = lse * sum(w) / C - (w . x) / C
     smooth = lse * (weight.sum() / num_classes) - weighted_mean
@@ -251,11 +266,54 @@ def cross_entropy(
     labels_shape = labels.shape
     logits, labels = _flatten(logits, labels)
     weight = _class_weight(weight, logits.shape[-1], logits)
+    if isinstance(logits, LMHeadLogits):  # from the statistics: -log p_y = lse - x_y
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, 0)
+        lse, target, _ = _logit_stats(logits, safe_labels, valid)
+        item_weight = valid.float() if weight is None else torch.where(valid, weight[safe_labels], 0.0)
+        loss = torch.where(valid, (lse - target) * item_weight, 0.0)
+        return _reduce(loss, item_weight, labels_shape, reduction, num_items_in_batch)
     if num_items_in_batch is None:
         loss = F.cross_entropy(logits, labels, weight=weight, ignore_index=ignore_index, reduction=reduction)
         return loss.reshape(labels_shape) if reduction == "none" else loss
     loss = F.cross_entropy(logits, labels, weight=weight, ignore_index=ignore_index, reduction="sum")
     return loss / num_items_in_batch
+
+
+def dft_loss(
+    logits: torch.Tensor | LMHeadLogits,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Dynamic fine-tuning: each item's cross-entropy weighted by its own probability, held constant,
+    ``-sg(p_y) log p_y``.
+
+    Wu et al. 2025, "On the Generalization of SFT: A Reinforcement Learning Perspective with Reward Rectification",
+    https://arxiv.org/abs/2508.05629 (the DFT loss, Eq. 9): the gradient of cross-entropy rescaled per token by the
+    probability the model gives it, so that unlikely tokens no longer dominate the update. The value is not a
+    probability bound; only its gradient matters.
+
+    Args:
+        logits (`torch.Tensor` or `LMHeadLogits`): ``(N, C)`` or ``(B, L, C)`` (see the module docstring).
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)`` class indices; ``ignore_index`` marks items to skip.
+        ignore_index (`int`, defaults to -100): label value that contributes nothing.
+        reduction (`str`, defaults to "mean"): "mean" (over counted items), "sum" or "none" (0 at ignored ones).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``, so
+            gradient accumulation and DDP are exact with the Trainer's count.
+    """
+    labels_shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0)
+    lse, target, _ = _logit_stats(logits, safe_labels, valid)
+    log_p = target - lse
+    loss = torch.where(valid, -log_p.detach().exp() * log_p, 0.0)
+    return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
 
 
 def distillation_loss(

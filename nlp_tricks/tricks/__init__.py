@@ -19,6 +19,7 @@ from .ema import ExponentialMovingAverage
 from .freeze_layers import LayerFreezing
 from .head_dropout import MultiSampleDropoutHead
 from .layer_decay import LayerwiseLearningRates
+from .loraplus import LoraPlus
 from .loss_type import LossFunction
 from .pooling import PoolingHead
 from .rdrop import RDrop
@@ -60,6 +61,7 @@ BUILT_IN_TRICKS = (
     CheckpointAveraging,
     LayerFreezing,
     LayerwiseLearningRates,
+    LoraPlus,
 )
 
 

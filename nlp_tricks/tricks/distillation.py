@@ -35,6 +35,7 @@ class Distillation(Trick):
 
     arguments = DistillationArguments
     order = 700
+    needs_logits = False  # it answers for batches with teacher_logits only, which keep the full logits
 
     def __init__(self, args):
         self.args = args

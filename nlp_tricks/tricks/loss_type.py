@@ -1,5 +1,5 @@
-"""``loss_type`` (cross-entropy, focal, label smoothing), ``temperature`` and ``class_weights``: the configured loss
-on the logits. Its math is in :mod:`nlp_tricks.functional.losses`."""
+"""``loss_type`` (cross-entropy, focal, label smoothing, DFT), ``temperature`` and ``class_weights``: the configured
+loss on the logits. Its math is in :mod:`nlp_tricks.functional.losses`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from ..functional.losses import (
     balanced_class_weights,
     cross_entropy,
+    dft_loss,
     focal_alpha_weights,
     focal_loss,
     label_smoothing_cross_entropy,
@@ -22,7 +23,7 @@ __all__ = ["LossFunction", "LossArguments", "LOSS_TYPES"]
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("ce", "focal", "label_smoothing")
+LOSS_TYPES = ("ce", "focal", "label_smoothing", "dft")
 
 
 @dataclass
@@ -33,8 +34,9 @@ class LossArguments:
         default="ce",
         metadata={
             "help": "Training loss on the logits: 'ce' (cross-entropy; label_smoothing_factor > 0 smooths it), "
-            "'focal' (Lin et al. 2017, see focal_gamma / focal_alpha) or 'label_smoothing' "
-            "(Szegedy et al. 2016, smoothing mass from label_smoothing_factor).",
+            "'focal' (Lin et al. 2017, see focal_gamma / focal_alpha), 'label_smoothing' "
+            "(Szegedy et al. 2016, smoothing mass from label_smoothing_factor) or 'dft' (dynamic fine-tuning, Wu et "
+            "al. 2025: each token's cross-entropy weighted by its own probability, held constant).",
             "choices": list(LOSS_TYPES),
         },
     )
@@ -55,6 +57,16 @@ class LossArguments:
         metadata={"help": "Divide the logits by this temperature (> 0) before any loss. 1.0 leaves them as they are."},
     )
 
+    chunked_lm_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Causal LMs with every loss trick off: compute the cross-entropy from the last hidden state "
+            "through the LM head in chunks of tokens, skipping ignored positions (as a loss trick does), instead of "
+            "the model's own loss on the full logits. It never holds the (tokens, vocab) logits and skips the head's "
+            "work on prompt and padding tokens; fused kernels of the model's own loss (use_liger_kernel) then do "
+            "not run. See docs/decoder_only.md."
+        },
+    )
     class_weights: list[str] | None = field(
         default=None,
         metadata={
@@ -72,6 +84,7 @@ class LossFunction(Trick):
     arguments = LossArguments
     order = 800
     changes_loss = True
+    needs_logits = False  # the trainer hands it the full logits or, for a causal LM, an LMHeadLogits
 
     def __init__(self, args):
         self.args = args
@@ -106,9 +119,10 @@ class LossFunction(Trick):
                 "loss_type='label_smoothing' takes its smoothing mass from label_smoothing_factor, which is 0; "
                 "set label_smoothing_factor in (0, 1), e.g. 0.1"
             )
-        if args.loss_type == "focal" and _smoothing(args) > 0:
+        if args.loss_type in ("focal", "dft") and _smoothing(args) > 0:
             raise ValueError(
-                "label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not 'focal'; set it to 0"
+                f"label_smoothing_factor applies to loss_type 'ce' or 'label_smoothing', not {args.loss_type!r}; set "
+                "it to 0"
             )
         args.class_weights = parse_class_weights(args.class_weights, name="class_weights")
         if args.class_weights is not None and args.loss_type not in ("ce", "label_smoothing"):
@@ -128,6 +142,11 @@ class LossFunction(Trick):
         if args.class_weights is not None:
             settings.append(f"class_weights={args.class_weights!r}")
         return settings
+
+    def is_models_own_loss(self) -> bool:
+        """Whether the loss is the one a model computes from its labels: cross-entropy on the logits as they are."""
+        args = self.args
+        return args.loss_type == "ce" and _smoothing(args) == 0 and args.temperature == 1.0 and not args.class_weights
 
     def setup(self, trainer) -> None:
         self.class_weights = self.resolve_class_weights(trainer)
@@ -166,7 +185,7 @@ class LossFunction(Trick):
         args = self.args
         if args.temperature != 1.0:
             logits = logits / args.temperature
-            if trainer.loss_context is not None:
+            if trainer.loss_context is not None and torch.is_tensor(logits):
                 trainer.loss_context.logits = logits  # the logits the loss used
         if args.loss_type == "focal":
             return focal_loss(
@@ -176,6 +195,8 @@ class LossFunction(Trick):
                 alpha=self.focal_alpha(trainer),
                 num_items_in_batch=num_items_in_batch,
             )
+        if args.loss_type == "dft":
+            return dft_loss(logits, labels, num_items_in_batch=num_items_in_batch)
         if args.loss_type == "label_smoothing" or _smoothing(args) > 0:
             return label_smoothing_cross_entropy(
                 logits,
