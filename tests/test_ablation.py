@@ -14,6 +14,9 @@ from recipe_helpers import ROOT, TRAIN_CONLL, env, ner_files
 import ablation
 
 
+# The whole runner end to end (6 runs and a resume: about a minute on 2 cores) is a slow test; the default run keeps
+# its parts: the plan, the pairing, the summary, reuse of finished runs (below) and the executor (tests/test_sweep.py).
+@pytest.mark.slow
 def test_ablation_tiny_ner(tiny_model, tmp_path):
     out = tmp_path / "abl"
     command = [
@@ -52,6 +55,7 @@ def test_ablation_tiny_ner(tiny_model, tmp_path):
     assert again.returncode == 0 and "[ablation] " not in again.stdout
 
 
+@pytest.mark.slow
 def test_ablation_folds_predict_every_example_once(tiny_model, tmp_path):
     (tmp_path / "train.conll").write_text(TRAIN_CONLL + "\nMary B-PER\nsat O\n\nthe O\ndog O\nran O\n")
     out = tmp_path / "cv"
