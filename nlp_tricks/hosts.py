@@ -34,7 +34,7 @@ from .config import TricksConfig
 from .runtime import upstream as _upstream
 from .runtime.param_groups import build_param_groups
 from .trainer import TricksTrainer
-from .trick import LossContext
+from .trick import LOGITS_HOOKS, LossContext
 from .tricks import Distillation, LossFunction, validate_arguments
 
 __all__ = ["with_tricks", "HostedTricks"]
@@ -42,17 +42,9 @@ __all__ = ["with_tricks", "HostedTricks"]
 logger = logging.getLogger(__name__)
 
 # The loss-pipeline hooks a host trainer never calls (its own compute_loss takes the loss): a trick implementing one
-# cannot apply there.
-_PIPELINE_HOOKS = (
-    "prepare_loss_batch",
-    "forward_context",
-    "forward",
-    "head_samples",
-    "compute_loss",
-    "adjust_logits_loss",
-    "count_items",
-    "adjust_predictions",
-)
+# cannot apply there. They are the hooks around the logits but ``adjust_loss`` (which a host's loss still goes
+# through), and ``adjust_predictions``.
+_PIPELINE_HOOKS = tuple(hook for hook in LOGITS_HOOKS if hook != "adjust_loss") + ("adjust_predictions",)
 # Host state that records what a forward pass saw (trl's metrics and token count): kept for the clean pass only.
 _HOST_METRIC_ATTRIBUTES = ("_metrics", "_total_train_tokens", "accum_loss_components")
 

@@ -11,14 +11,13 @@ import transformers
 from packaging.version import Version
 from safetensors.torch import load_file
 from scripts.causal_lm_ddp import SETTINGS as DDP_SETTINGS
-from scripts.causal_lm_ddp import step_args as ddp_step_args
 from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, Trick, TricksTrainer
 from recipe_helpers import launch_ddp_script
-from tiny import bart_lm, bert_token_cls, tricks_args
+from tiny import bart_lm, bert_token_cls, sgd_step_args, tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm
 
 STEP = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, train_sampling_strategy="sequential")
@@ -510,7 +509,7 @@ def test_chunked_loss_under_ddp_equals_one_process(ddp_run, tmp_path, name):
     all-reduced as every other) equal one process with the 8 sequences."""
     single = TricksTrainer(
         model=llama_lm(),
-        args=ddp_step_args(tmp_path, per_device_train_batch_size=8, **DDP_SETTINGS[name]),
+        args=sgd_step_args(tmp_path, per_device_train_batch_size=8, **DDP_SETTINGS[name]),
         train_dataset=causal_lm_data(n=8),
     )
     single.train()

@@ -3,11 +3,12 @@
 import pytest
 import torch
 from safetensors.torch import load_file
-from scripts.heads_ddp import SETTINGS, ner_data, ner_model, step_args
+from scripts.heads_ddp import SETTINGS, ner_data, ner_model
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.crf import add_crf
 from recipe_helpers import launch_ddp_script
+from tiny import sgd_step_args
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def test_ddp_step_equals_one_process_step(ddp_run, tmp_path, name):
         add_crf(model)  # the same module order as the DDP runs (the Trainer attaches it again: kept)
     single = TricksTrainer(
         model=model,
-        args=step_args(tmp_path, per_device_train_batch_size=8, **SETTINGS[name]),
+        args=sgd_step_args(tmp_path, per_device_train_batch_size=8, **SETTINGS[name]),
         train_dataset=ner_data(),
     )
     single.train()

@@ -20,7 +20,7 @@ from nlp_tricks.functional.spans import (
     span_scores,
     word_positions_of,
 )
-from tiny import bert_token_cls, span_data, tricks_args
+from tiny import bert_token_cls, sgd_step_args, span_data, tricks_args
 
 TYPES = ["LOC", "ORG", "PER"]
 
@@ -271,11 +271,11 @@ def ddp_run(tmp_path_factory):
 @pytest.mark.parametrize("head", ["global_pointer", "efficient_global_pointer"])
 def test_ddp_step_equals_one_process_step(ddp_run, tmp_path, head):
     from safetensors.torch import load_file
-    from scripts.span_head_ddp import EMPTY, SETTINGS, span_model, step_args
+    from scripts.span_head_ddp import EMPTY, SETTINGS, span_model
 
     single = TricksTrainer(
         model=span_model(head),
-        args=step_args(tmp_path, per_device_train_batch_size=8, **SETTINGS[head]),
+        args=sgd_step_args(tmp_path, per_device_train_batch_size=8, **SETTINGS[head]),
         train_dataset=span_data(n=8, empty=EMPTY),
     )
     single.train()

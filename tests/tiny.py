@@ -255,3 +255,11 @@ def span_data(n=8, length=12, num_types=3, seed=0, empty=()) -> ListDataset:
         rows += [[-100, -100, -100]] * (length + 8 - len(rows))
         items.append({"input_ids": ids, "attention_mask": mask, "labels": torch.tensor(rows)})
     return ListDataset(items)
+
+
+def sgd_step_args(tmp_path, **overrides) -> TricksArguments:
+    """One plain SGD step at lr 0.5, no decay or clipping: the weights after it are the step's gradient, the
+    comparison of the DDP scripts (tests/scripts/*_ddp.py)."""
+    kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=0.0)
+    kwargs.update(overrides)
+    return tricks_args(tmp_path, **kwargs)

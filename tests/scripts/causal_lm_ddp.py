@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny
 
 from ddp_helpers import save_rank  # noqa: E402
 from nlp_tricks import TricksTrainer  # noqa: E402
-from tiny import tricks_args  # noqa: E402
+from tiny import sgd_step_args  # noqa: E402
 from tiny_causal import causal_lm_data, llama_lm  # noqa: E402
 
 SETTINGS = {
@@ -27,16 +27,10 @@ SETTINGS = {
 }
 
 
-def step_args(output_dir, **overrides):
-    kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=0.0)
-    kwargs.update(overrides)
-    return tricks_args(output_dir, **kwargs)
-
-
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     for name, setting in SETTINGS.items():
-        args = step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
+        args = sgd_step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
         trainer = TricksTrainer(model=llama_lm(), args=args, train_dataset=causal_lm_data(n=8))
         assert trainer.lm_loss_path == "chunked"
         trainer.train()

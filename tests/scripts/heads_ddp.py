@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny
 
 from ddp_helpers import save_rank  # noqa: E402
 from nlp_tricks import TricksTrainer  # noqa: E402
-from tiny import bert_token_cls, token_cls_data, tricks_args  # noqa: E402
+from tiny import bert_token_cls, sgd_step_args, token_cls_data  # noqa: E402
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 SETTINGS = {
@@ -43,16 +43,10 @@ def ner_data():
     return data
 
 
-def step_args(output_dir, **overrides):
-    kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=0.0)
-    kwargs.update(overrides)
-    return tricks_args(output_dir, **kwargs)
-
-
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     for name, setting in SETTINGS.items():
-        args = step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
+        args = sgd_step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
         trainer = TricksTrainer(model=ner_model(), args=args, train_dataset=ner_data())
         trainer.train()
         save_rank(trainer, out, name)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for tiny
 from ddp_helpers import save_rank  # noqa: E402
 from nlp_tricks import TricksTrainer  # noqa: E402
 from nlp_tricks.functional.spans import add_span_head  # noqa: E402
-from tiny import bert_token_cls, span_data, tricks_args  # noqa: E402
+from tiny import bert_token_cls, sgd_step_args, span_data  # noqa: E402
 
 SETTINGS = {head: dict(span_head=head, span_head_size=8) for head in ("global_pointer", "efficient_global_pointer")}
 # Sentences without a word: no item of the loss.
@@ -33,16 +33,10 @@ def span_model(head: str):
     return model
 
 
-def step_args(output_dir, **overrides):
-    kwargs = dict(max_steps=1, optim="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=0.0)
-    kwargs.update(overrides)
-    return tricks_args(output_dir, **kwargs)
-
-
 def main(out_dir: str) -> None:
     out = Path(out_dir)
     for name, setting in SETTINGS.items():
-        args = step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
+        args = sgd_step_args(out / name, per_device_train_batch_size=2, gradient_accumulation_steps=2, **setting)
         trainer = TricksTrainer(model=span_model(name), args=args, train_dataset=span_data(n=8, empty=EMPTY))
         trainer.train()
         save_rank(trainer, out, name)
