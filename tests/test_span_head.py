@@ -58,6 +58,26 @@ def _loss_by_hand(scores_of_sentence, rows, num_types):
     return losses
 
 
+def test_the_heads_initialisation_is_the_encoders_but_egps_type_layer_is_glorot():
+    """Every head layer as the model's own ``_init_weights`` draws it (BERT: normal std ``initializer_range``, zero
+    bias), but EfficientGlobalPointer's type layer: Glorot-uniform, bound sqrt(6 / (fan_in + fan_out)), zero bias (at
+    std 0.02 its per-type biases carry no signal and the head did not learn in the demo's first epoch)."""
+    torch.manual_seed(0)
+    std = _model().config.initializer_range
+    for head in ("global_pointer", "efficient_global_pointer"):
+        torch.manual_seed(0)
+        layer = _model(head, hidden_size=64).classifier
+        # The model's init: std within 10% of initializer_range over the 1,000+ weights of each layer.
+        assert abs(layer.dense.weight.std().item() - std) < 0.1 * std and not layer.dense.bias.any()
+        if head == "efficient_global_pointer":
+            fan_out, fan_in = layer.type_dense.weight.shape
+            bound = math.sqrt(6 / (fan_in + fan_out))
+            weight = layer.type_dense.weight
+            assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound  # uniform over (-bound, bound)
+            assert abs(weight.std().item() - bound / math.sqrt(3)) < 0.1 * bound / math.sqrt(3)
+            assert not layer.type_dense.bias.any()
+
+
 @pytest.mark.parametrize("head", ["global_pointer", "efficient_global_pointer"])
 def test_trainer_loss_is_the_mean_over_sentences_and_types(tmp_path, head):
     model = _model()
