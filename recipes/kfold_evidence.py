@@ -39,7 +39,7 @@ from pathlib import Path
 
 import evidence
 
-from nlp_tricks.data import DataError, split_examples
+from nlp_tricks.data import DataError, kfold_assignment, split_examples
 
 from ensemble_folder import TASKS
 from kfold import example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
@@ -53,8 +53,10 @@ DATA_FLAGS = ("output_dir", "overwrite_output_dir", "train_file", "validation_fi
               "num_folds", "fold")  # fmt: skip
 
 
-def prepare_data(task, recipe_flags: list[str], fraction: float, out: Path) -> dict:
-    """The labelled / unlabelled / test files every run reads, cut once (self-training's cut) and kept."""
+def prepare_data(task, recipe_flags: list[str], fraction: float, out: Path, folds: int) -> dict:
+    """The labelled / unlabelled / test files every run reads, cut once (self-training's cut) and kept; a labelled
+    share the k-fold run would refuse (a class with fewer examples than folds) is refused here, before the single
+    model trains."""
     data_args, _, _ = task.parse(strip_flags(recipe_flags, ("output_dir",)) + ["--output_dir", str(out)])
     data = read_training_data(task, data_args)
     if not data["test"]:
@@ -62,6 +64,15 @@ def prepare_data(task, recipe_flags: list[str], fraction: float, out: Path) -> d
     labelled, unlabeled = split_examples(data["train"], (1.0 - fraction, fraction), seed=data_args.split_seed)
     if len(labelled) < 2 or not unlabeled:
         raise DataError(data["sources"]["train"], None, f"--unlabeled_fraction {fraction} leaves nothing to compare")
+    stratify = [ex["label"] for ex in labelled] if task.name == "classification" else None
+    try:
+        kfold_assignment(len(labelled), folds, data_args.split_seed, stratify)
+    except ValueError as err:
+        raise DataError(
+            data["sources"]["train"],
+            None,
+            f"--unlabeled_fraction {fraction} leaves a labelled share that --folds {folds} cannot cut: {err}",
+        ) from None
     column = data_args.tokens_column if task.name == "ner" else data_args.text_column
     key = "tokens" if task.name == "ner" else "text"
     files = {"labelled": out / "data" / "labelled.jsonl", "unlabeled": out / "data" / "unlabeled.jsonl",
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     metric = args.metric or getattr(task.recipe, "MAIN_METRIC", "f1")
     out = Path(args.output_dir)
     try:
-        data = prepare_data(task, recipe_flags, args.unlabeled_fraction, out)
+        data = prepare_data(task, recipe_flags, args.unlabeled_fraction, out, args.folds)
         seeds = [run_seed(args, task, recipe_flags, data, seed) for seed in range(1, args.seeds + 1)]
     except (DataError, RuntimeError) as err:
         print(f"kfold_evidence: {err}", file=sys.stderr)

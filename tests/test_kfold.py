@@ -425,6 +425,23 @@ def test_kfold_bad_input_is_one_line(tiny_model, tmp_path, capsys, folds, messag
     assert not (out / "all_results.json").exists() and not (out / "fold0").exists()
 
 
+def test_kfold_evidence_refuses_a_labelled_share_the_folds_cannot_cut_before_training(tiny_model, tmp_path, capsys):
+    """The k-fold run's own refusal (a class with fewer examples than folds), said before the single model trains."""
+    import kfold_evidence
+
+    write_csv(tmp_path / "train.csv", CLS_TRAIN)
+    write_csv(tmp_path / "test.csv", CLS_TEST)
+    out = tmp_path / "ev"
+    argv = ["--recipe", "classification", "--seeds", "1", "--folds", "5", "--unlabeled_fraction", "0.5",
+            "--output_dir", str(out), "--", *tiny_flags(tiny_model), "--train_file", str(tmp_path / "train.csv"),
+            "--test_file", str(tmp_path / "test.csv")]  # fmt: skip
+    assert kfold_evidence.main(argv) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kfold_evidence:")]
+    assert len(lines) == 1 and "train.csv" in lines[0] and "--folds 5" in lines[0], lines
+    assert "fewer than the 5 folds" in lines[0] and "--unlabeled_fraction 0.5" in lines[0]
+    assert not (out / "seed1").exists()
+
+
 def test_kfold_refuses_flags_that_contradict_it(tmp_path, capsys):
     for recipe_flags, message in (
         (["--num_folds", "5"], "--num_folds after --"),
