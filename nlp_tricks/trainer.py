@@ -17,13 +17,12 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from .config import TricksArguments
 from .functional.adversarial import resolve_embedding_module
-from .functional.chunked_loss import HeadInputCapture, is_plain_linear
+from .functional.chunked_loss import HeadInputCapture
 from .functional.multi_sample_dropout import find_classifier
 from .functional.outputs import output_logits, output_loss
 from .runtime import upstream as _upstream
@@ -31,6 +30,7 @@ from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
 from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
 from .runtime.integrity import checkpoint_written
+from .runtime.lm_loss import CausalLMLossPath
 from .runtime.lock import holds_output_dir
 from .runtime.param_groups import (
     NO_DECAY_PATTERNS,
@@ -55,7 +55,6 @@ from .runtime.state import (
 from .runtime.streams import TrickDataStream
 from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, merge_options, nested
 from .tricks import built_in_tricks, tricks_section
-from .tricks.loss_type import LossFunction
 
 __all__ = ["TricksTrainer"]
 
@@ -63,11 +62,9 @@ logger = logging.getLogger(__name__)
 
 # What an `exclusive` hook does, for the refusal of two tricks implementing it.
 _EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
-# The extension points of the full-logits loss pipeline: a subclass overriding one keeps a causal LM's full logits.
-_LOGITS_METHODS = ("compute_tricks_loss", "forward_for_loss", "head_samples", "labels_for_logits")
 
 
-class TricksTrainer(DropInLosses, Trainer):
+class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
     and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``, sorted by their ``order``.
 
@@ -436,76 +433,6 @@ class TricksTrainer(DropInLosses, Trainer):
             loss = loss * self.loss_scale_for_devices()
         return loss, outputs
 
-    @property
-    def lm_loss_path(self) -> str | None:
-        """How this run computes a causal LM's loss with labels, decided once (docs/decoder_only.md); ``None`` for
-        other models.
-
-        - ``"model"``: every loss trick off: the model gets its labels and computes its own loss, as under plain
-          ``Trainer`` (fused kernels such as Liger's, ``logits_to_keep``, a model's own loss code then apply).
-        - ``"chunked"``: a loss trick on (``loss_type``, ``label_smoothing_factor``, ``temperature``,
-          ``class_weights``), or ``chunked_lm_loss``: in training forwards (and evaluation forwards whose logits are
-          not returned) the loss is computed from the last hidden state through the LM head in chunks of tokens,
-          skipping ignored positions, never holding the full logits; other evaluation forwards take it on the
-          logits.
-        - ``"logits"``: a trick that needs the full logits (:attr:`~nlp_tricks.Trick.needs_logits`: R-Drop, SMART,
-          scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
-          override of a full-logits extension point (``compute_tricks_loss``, ``forward_for_loss``,
-          ``head_samples``, ``labels_for_logits``), DeepSpeed / FSDP (the head's weight is sharded outside the
-          forward), a head that is not a plain ``nn.Linear``, or a model whose logits are not the head's output as
-          it is (soft-capping, scaling: checked on every chunked forward): the pipeline on the full logits.
-        """
-        if self._lm_loss_path is None and self.loss_shifts_labels:
-            self._lm_loss_path = self._decide_lm_loss_path()
-        return self._lm_loss_path
-
-    def _decide_lm_loss_path(self) -> str:
-        loss = self.get_trick(LossFunction)
-        chunked = getattr(self.tricks_config, "chunked_lm_loss", False)
-        overridden = [
-            name for name in _LOGITS_METHODS if getattr(type(self), name) is not getattr(TricksTrainer, name)
-        ]
-        if (
-            self.compute_loss_func is not None
-            or overridden
-            or self._requests
-            or any(t.needs_logits for t in self.tricks)
-        ):
-            path = "logits"
-        elif (loss is None or loss.is_models_own_loss()) and self._forward_accepts_loss_kwargs and not chunked:
-            path = "model"
-        elif self.is_deepspeed_enabled or self.is_fsdp_enabled or self._lm_head(self.model) is None:
-            path = "logits"
-        else:
-            path = "chunked"
-        if getattr(self.args, "use_liger_kernel", False) and path != "model":
-            how = "in chunks from the last hidden state" if path == "chunked" else "on the full logits"
-            self._warn_once(
-                f"use_liger_kernel=True: Liger's fused linear cross-entropy runs only when the model computes its own "
-                f"loss; with {', '.join(self._loss_tricks_in_use()) or 'this run'} TricksTrainer computes the loss "
-                f"{how} instead (Liger's other kernels still apply)"
-            )
-        return path
-
-    def _lm_head(self, model: nn.Module) -> nn.Linear | None:
-        """The causal LM's output projection when it is a plain ``nn.Linear`` (what the chunked loss reproduces)."""
-        unwrapped = unwrap_peft_model(self.accelerator.unwrap_model(model))
-        get_head = getattr(unwrapped, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
-        return head if is_plain_linear(head) else None
-
-    def _full_logits_after_all(self, model, inputs, label_key, num_items_in_batch, capture: HeadInputCapture):
-        """The chunked loss found the model's logits other than its head's output (or the head not called once):
-        this batch again, and the run from now on, on the full logits."""
-        self._lm_loss_path = "logits"
-        self._warn_once(
-            f"{type(unwrap_peft_model(self.accelerator.unwrap_model(model))).__name__}'s logits are not its LM head's "
-            f"output as it is (soft-capping or scaling after the head, or {capture.calls} head calls in a forward): "
-            "the loss is taken on the full logits"
-        )
-        self._context.forget_pass()
-        return self._compute_labelled_loss(model, inputs, label_key, num_items_in_batch, False)
-
     @contextlib.contextmanager
     def _capturing(self, model: nn.Module, batch: LossBatch) -> Iterator[None]:
         """Capture what the tricks' ``outputs_needed`` ask for, in training forwards only, into the loss context."""
@@ -609,13 +536,6 @@ class TricksTrainer(DropInLosses, Trainer):
         if not self.loss_shifts_labels:
             return labels
         return nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
-
-    def _decide_loss_shifts_labels(self, by_loss_type: bool) -> bool:
-        """Upstream's rule from the loss type, or the (PEFT-unwrapped) class is a causal LM; never encoder-decoder."""
-        model = unwrap_peft_model(self.model)
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            return False
-        return bool(by_loss_type) or type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
     def _set_signature_columns_if_needed(self):
         # Keep `teacher_logits` when the Trainer drops dataset columns the model's forward does not take.
