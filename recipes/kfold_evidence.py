@@ -2,10 +2,10 @@
 distilled student, per seed, on the same examples, with their wall times; with several seeds, each system's
 difference from the single model with its interval over seeds and examples.
 
-    python recipes/kfold_evidence.py --recipe ner --seeds 3 --folds 5 --unlabeled_fraction 0.5 \
+    python recipes/kfold_evidence.py --recipe ner --seeds 3 --folds 5 --unlabeled_fraction 0.5 \\
         --output_dir evidence/kfold_ner
-    python recipes/kfold_evidence.py --recipe classification --seeds 3 --folds 5 --unlabeled_fraction 0.5 \
-        --output_dir evidence/kfold_cls -- --max_train_samples 200 --num_train_epochs 5 --max_seq_length 128 \
+    python recipes/kfold_evidence.py --recipe classification --seeds 3 --folds 5 --unlabeled_fraction 0.5 \\
+        --output_dir evidence/kfold_cls -- --max_train_samples 200 --num_train_epochs 5 --max_seq_length 128 \\
         --eval_strategy no
     python recipes/kfold_evidence.py --recipe ner --seeds 1 --folds 2 --output_dir /tmp/kev -- --max_steps 2
 
