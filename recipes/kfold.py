@@ -156,6 +156,16 @@ def read_training_data(task: EnsembleTask, data_args, model_args=None) -> dict:
     }
 
 
+def cut_folds(task: EnsembleTask, examples: list[dict], k: int, seed: int, source, context: str = "") -> list[int]:
+    """The fold of each example (stratified by label for classification); a cut the examples do not allow is one
+    ``DataError`` naming ``source`` and ``--folds`` (after ``context``, what the caller says of the examples)."""
+    stratify = [ex["label"] for ex in examples] if task.name == "classification" else None
+    try:
+        return kfold_assignment(len(examples), k, seed, stratify)
+    except ValueError as err:
+        raise DataError(source, None, f"{context}--folds {k}: {err}") from None
+
+
 def example_record(task: EnsembleTask, ex: dict, data_args, example_id) -> dict:
     """One example as a JSON-lines record the recipe reads with the user's column flags, with its ``id``."""
     if is_span_task(task):  # the span recipe's nested JSON lines: word indices, end exclusive
@@ -261,11 +271,7 @@ class KFold:
         task, data_args, k = self.task, self.data_args, self.args.folds
         data = read_training_data(task, data_args, self.model_args)
         self.train, self.test, self.labels, self.sources = data["train"], data["test"], data["labels"], data["sources"]
-        stratify = [ex["label"] for ex in self.train] if task.name == "classification" else None
-        try:
-            self.fold_of = kfold_assignment(len(self.train), k, self.args.split_seed, stratify)
-        except ValueError as err:
-            raise DataError(self.sources["train"], None, f"--folds {k}: {err}") from None
+        self.fold_of = cut_folds(task, self.train, k, self.args.split_seed, self.sources["train"])
         if task.name == "ner" and not is_span_task(task):
             bad = [label for label in self.labels if "," in label]
             if bad:
@@ -298,7 +304,7 @@ class KFold:
             {
                 "folds": k,
                 "split_seed": self.args.split_seed,
-                "stratified": stratify is not None,
+                "stratified": task.name == "classification",
                 "examples": len(self.train),
                 "fold_of_example": self.fold_of,
             },

@@ -42,10 +42,10 @@ from pathlib import Path
 
 import evidence
 
-from nlp_tricks.data import DataError, kfold_assignment, split_examples
+from nlp_tricks.data import DataError, split_examples
 
 from ensemble_folder import TASKS
-from kfold import example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
+from kfold import cut_folds, example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
 from sweep import run_one
 
 HERE = Path(__file__).resolve().parent
@@ -67,15 +67,8 @@ def prepare_data(task, recipe_flags: list[str], fraction: float, out: Path, fold
     labelled, unlabeled = split_examples(data["train"], (1.0 - fraction, fraction), seed=data_args.split_seed)
     if len(labelled) < 2 or not unlabeled:
         raise DataError(data["sources"]["train"], None, f"--unlabeled_fraction {fraction} leaves nothing to compare")
-    stratify = [ex["label"] for ex in labelled] if task.name == "classification" else None
-    try:
-        kfold_assignment(len(labelled), folds, data_args.split_seed, stratify)
-    except ValueError as err:
-        raise DataError(
-            data["sources"]["train"],
-            None,
-            f"--unlabeled_fraction {fraction} leaves a labelled share that --folds {folds} cannot cut: {err}",
-        ) from None
+    cut_folds(task, labelled, folds, data_args.split_seed, data["sources"]["train"],
+              f"the labelled share of --unlabeled_fraction {fraction}: ")  # fmt: skip
     column = data_args.tokens_column if task.name == "ner" else data_args.text_column
     key = "tokens" if task.name == "ner" else "text"
     files = {"labelled": out / "data" / "labelled.jsonl", "unlabeled": out / "data" / "unlabeled.jsonl",
