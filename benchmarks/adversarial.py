@@ -57,10 +57,10 @@ from _timing import paired_ratio, time_interleaved
 from transformers import BertConfig, BertForTokenClassification
 
 from nlp_tricks import AWP, FGM, PGD, FreeLB
-from nlp_tricks.adversarial import awp_parameters
-from nlp_tricks.losses import rdrop_loss
-from nlp_tricks.sam import SAM
-from nlp_tricks.smart import SMART
+from nlp_tricks.functional.adversarial import awp_parameters
+from nlp_tricks.functional.losses import rdrop_loss
+from nlp_tricks.functional.sam import SAM
+from nlp_tricks.functional.smart import SMART
 
 # The classic weight-space FGM / PGD: the tests' reference, timed here as it is tested there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -26,7 +26,7 @@ import torch
 from _timing import paired_ratio, time_interleaved
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.crf import CRF
+from nlp_tricks.functional.crf import CRF
 
 try:
     from torchcrf import CRF as ReferenceCRF

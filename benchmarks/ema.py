@@ -30,7 +30,7 @@ import torch
 from _timing import paired_ratio, synchronize, time_interleaved
 from transformers import BertConfig, BertForTokenClassification
 
-from nlp_tricks.averaging import EMA
+from nlp_tricks.runtime.averaging import EMA
 
 MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from _timing import paired_ratio, time_interleaved
 
-from nlp_tricks.losses import focal_loss, label_smoothing_cross_entropy
+from nlp_tricks.functional.losses import focal_loss, label_smoothing_cross_entropy
 
 LOSSES = {
     "cross_entropy": lambda logits, labels: F.cross_entropy(logits, labels),

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from _timing import paired_ratio, time_interleaved
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nlp_tricks.scheduled_sampling import causal_scheduled_sampling_forward
+from nlp_tricks.functional.scheduled_sampling import causal_scheduled_sampling_forward
 
 FULL = dict(d_model=256, layers=4, ffn=688, heads=4, kv_heads=4, vocab=32000, batch=4, prompt=64, completion=64,
             repeats=7)  # fmt: skip

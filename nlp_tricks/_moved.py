@@ -2,6 +2,8 @@
 ``nlp_tricks.functional.losses`` itself (the same module object, so patching either patches both).
 
 The tricks' math moved into :mod:`nlp_tricks.functional`, what runs around them into :mod:`nlp_tricks.runtime`.
+Importing an old name warns once per process (``DeprecationWarning``), naming the new one; ``nlp_tricks.losses`` is
+the documented public name of the losses and does not warn.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 
 # old module name -> where it lives now
 MOVED = {
@@ -33,6 +36,11 @@ MOVED = {
     "nlp_tricks.seq2seq.tying": "nlp_tricks.functional.tying",
 }
 
+# Old names that stay public: documented, imported by users' code, never warned about.
+PUBLIC = frozenset({"nlp_tricks.losses"})
+
+_warned = False
+
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old name as the module it moved to."""
@@ -43,6 +51,14 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec):
+        global _warned
+        if spec.name not in PUBLIC and not _warned:
+            _warned = True
+            warnings.warn(
+                f"{spec.name} moved to {MOVED[spec.name]}; the old name keeps working, import the new one",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         module = importlib.import_module(MOVED[spec.name])
         self._own_spec = module.__spec__
         return module

@@ -71,7 +71,6 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.crf import bio_violation
 from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file, subtoken_tags
 from nlp_tricks.data.arrow import as_dataset, column_values, first_rows
 from nlp_tricks.data.spans import (
@@ -83,6 +82,7 @@ from nlp_tricks.data.spans import (
     spans_to_tags,
     tags_to_spans,
 )
+from nlp_tricks.functional.crf import bio_violation
 from nlp_tricks.functional.spans import load_span_model
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.metrics.spans import span_f1

@@ -86,10 +86,10 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from nlp_tricks import TricksTrainer
-from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable
 from nlp_tricks.data import DataError, arrow_dataset, demo_summarization, file_signature, iter_table_file
 from nlp_tricks.data.arrow import as_dataset, first_rows
 from nlp_tricks.metrics import load_metric
+from nlp_tricks.runtime.checkpoint import is_state_dict_file, load_state_dict_portable
 from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer, tie_encoder_decoder
 
 from common import (

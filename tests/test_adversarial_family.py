@@ -11,8 +11,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, default_data_collator
 
 from nlp_tricks import AWP, TricksTrainer, build_param_groups
-from nlp_tricks.adversarial import FreeLB, awp_parameters
-from nlp_tricks.losses import rdrop_kl, rdrop_loss
+from nlp_tricks.functional.adversarial import FreeLB, awp_parameters
+from nlp_tricks.functional.losses import rdrop_kl, rdrop_loss
 from tiny import bart_lm, bert_seq_cls, bert_token_cls, seq2seq_data, seq_cls_data, token_cls_data, tricks_args
 
 

@@ -25,7 +25,9 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments, TricksTrainer, _upstream
-from nlp_tricks.averaging import (
+from nlp_tricks.cli import main as cli_main
+from nlp_tricks.functional.crf import add_crf, load_crf_model
+from nlp_tricks.runtime.averaging import (
     AVERAGING_INFO_NAME,
     EMA,
     EMA_STATE_NAME,
@@ -33,9 +35,7 @@ from nlp_tricks.averaging import (
     average_into,
     ema_unsupported_reason,
 )
-from nlp_tricks.checkpoint import CheckpointMismatchError
-from nlp_tricks.cli import main as cli_main
-from nlp_tricks.crf import add_crf, load_crf_model
+from nlp_tricks.runtime.checkpoint import CheckpointMismatchError
 from nlp_tricks.runtime.state import TRICKS_STATE_NAME, load_trick_states
 from recipe_helpers import launch_ddp_script, ner_files, rank_report, run_in_process, tiny_args
 from scripts import resume_run
@@ -338,7 +338,7 @@ def test_kill_9_with_a_torn_newest_checkpoint_resumes_to_the_same_raw_and_ema_we
         newest = crashed / "checkpoint-6"
         data = (newest / TRICKS_STATE_NAME).read_bytes()
         (newest / TRICKS_STATE_NAME).write_bytes(data[: len(data) // 2])  # torn mid-write
-        with caplog.at_level(logging.WARNING, logger="nlp_tricks.resume"):
+        with caplog.at_level(logging.WARNING, logger="nlp_tricks.runtime.resume"):
             resume_run.run(crashed, config, resume=True)
         assert f"Skipping incomplete checkpoint {newest}: {TRICKS_STATE_NAME} is truncated" in caplog.text
     finally:

@@ -15,8 +15,8 @@ from torch import nn
 from transformers import BertForMaskedLM
 
 from nlp_tricks import load_state_dict_portable
-from nlp_tricks.checkpoint import CheckpointMismatchError
-from nlp_tricks.resume import checkpoint_problem, get_last_complete_checkpoint
+from nlp_tricks.runtime.checkpoint import CheckpointMismatchError
+from nlp_tricks.runtime.resume import checkpoint_problem, get_last_complete_checkpoint
 from tiny import bert_config, bert_seq_cls
 
 
@@ -454,7 +454,7 @@ def test_newest_complete_checkpoint_skips_torn_ones_with_a_warning(tmp_path, com
     TEARS["no_trainer_state"][0](_copy(complete_checkpoint, tmp_path / "checkpoint-12"))
     (tmp_path / "checkpoint-99.tmp").mkdir()  # not a checkpoint name
     (tmp_path / "runs").mkdir()
-    with caplog.at_level(logging.WARNING, logger="nlp_tricks.resume"):
+    with caplog.at_level(logging.WARNING, logger="nlp_tricks.runtime.resume"):
         assert get_last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-9")
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from nlp_tricks import TricksTrainer
-from nlp_tricks.resume import checkpoint_problem, get_last_complete_checkpoint
 from nlp_tricks.runtime.integrity import (
     MANIFEST_NAME,
     NO_SPACE_EXIT_CODE,
@@ -24,6 +23,7 @@ from nlp_tricks.runtime.integrity import (
     manifest_problem,
     write_manifest,
 )
+from nlp_tricks.runtime.resume import checkpoint_problem, get_last_complete_checkpoint
 from recipe_helpers import ROOT, env, ner_files, tiny_args
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
 

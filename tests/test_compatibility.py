@@ -399,7 +399,7 @@ def test_head_lr_scale_applies_to_an_untied_output_head_and_says_when_there_is_n
     steps = {}
     for scale in (1.0, 10.0):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="nlp_tricks.param_groups"):
+        with caplog.at_level(logging.WARNING, logger="nlp_tricks.runtime.param_groups"):
             _, steps[scale], _ = one_step(
                 TricksTrainer, TricksArguments, base, data, tmp_path / str(scale), predict=False, head_lr_scale=scale
             )

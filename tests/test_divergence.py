@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from nlp_tricks import Trick, TricksArguments, TricksTrainer
-from nlp_tricks.resume import checkpoint_problem, get_last_complete_checkpoint
 from nlp_tricks.runtime.divergence import (
     DIVERGED_EXIT_CODE,
     NONFINITE_SKIPPED,
     TrainingDivergedError,
     nonfinite_parameters,
 )
+from nlp_tricks.runtime.resume import checkpoint_problem, get_last_complete_checkpoint
 from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 from tiny import bert_seq_cls, seq_cls_data, tricks_args
 

@@ -10,7 +10,6 @@ import random
 import numpy as np
 import pytest
 
-from nlp_tricks.crf import FORBIDDEN
 from nlp_tricks.data import kfold_assignment, kfold_examples
 from nlp_tricks.ensemble import (
     crf_marginals,
@@ -26,6 +25,7 @@ from nlp_tricks.ensemble import (
     vote_spans,
     word_rows,
 )
+from nlp_tricks.functional.crf import FORBIDDEN
 
 
 def test_mean_probabilities_is_the_mean_of_the_members():

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformers import HfArgumentParser, RobertaConfig, RobertaForSequenceClassification, default_data_collator
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.heads import MultiSampleDropout, find_classifier
-from nlp_tricks.losses import balanced_class_weights, cross_entropy, label_smoothing_cross_entropy
+from nlp_tricks.functional.losses import balanced_class_weights, cross_entropy, label_smoothing_cross_entropy
+from nlp_tricks.functional.multi_sample_dropout import MultiSampleDropout, find_classifier
 from nlp_tricks.tricks.head_dropout import MultiSampleDropoutHead as MultiSampleDropoutTrick
 from nlp_tricks.tricks.loss_type import LossFunction
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, token_cls_data, tricks_args

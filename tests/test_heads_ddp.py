@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from scripts.heads_ddp import SETTINGS, ner_data, ner_model
 
 from nlp_tricks import TricksTrainer
-from nlp_tricks.crf import add_crf
+from nlp_tricks.functional.crf import add_crf
 from recipe_helpers import launch_ddp_script
 from tiny import sgd_step_args
 

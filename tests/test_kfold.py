@@ -233,7 +233,7 @@ def word_emissions(model_dir: Path, sentences: list[list[str]], crf: bool = True
     computed here one sentence at a time with the model's own tokenizer."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-    from nlp_tricks.crf import load_crf_model
+    from nlp_tricks.functional.crf import load_crf_model
 
     loader = load_crf_model if crf else AutoModelForTokenClassification.from_pretrained
     model = loader(str(model_dir)).eval()

@@ -7,7 +7,7 @@ import torch
 from transformers import BertForSequenceClassification, LlamaForSequenceClassification, TrainerCallback
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.layers import freeze_bottom_layers, reinit_top_layers, seeded
+from nlp_tricks.functional.layers import freeze_bottom_layers, reinit_top_layers, seeded
 from tiny import bart_lm, bert_seq_cls, ema_of, seq_cls_data, tricks_args
 from tiny_causal import llama_lm
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nlp_tricks import FocalLoss, LabelSmoothingCrossEntropy, focal_loss, label_smoothing_cross_entropy
-from nlp_tricks.losses import cross_entropy, dft_loss, distillation_loss
+from nlp_tricks.functional.losses import cross_entropy, dft_loss, distillation_loss
 from tiny import bert_token_cls, one_sgd_step_trainer, token_cls_data
 
 

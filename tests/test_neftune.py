@@ -11,7 +11,7 @@ from transformers.integrations.neftune import neftune_post_forward_hook
 
 from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, TricksTrainer
-from nlp_tricks.neftune import NEFTuneNoise, neftune_noise
+from nlp_tricks.functional.neftune import NEFTuneNoise, neftune_noise
 from tiny import tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, llama_lm
 

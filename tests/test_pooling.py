@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
 
 from nlp_tricks import TricksArguments, TricksTrainer
-from nlp_tricks.pooling import POOLING_MODES, add_pooling, load_pooled_model
+from nlp_tricks.functional.pooling import POOLING_MODES, add_pooling, load_pooled_model
 from recipe_helpers import CLS_ROWS, run_in_process, tiny_args, write_csv
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, tricks_args
 from tiny_zoo import CASES

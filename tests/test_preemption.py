@@ -17,13 +17,13 @@ from packaging.version import Version
 from transformers import TrainerCallback
 
 from nlp_tricks import TricksTrainer
-from nlp_tricks.preemption import (
+from nlp_tricks.runtime.preemption import (
     PREEMPTED_EXIT_CODE,
     PreemptionCallback,
     parse_duration,
     set_time_budget,
 )
-from nlp_tricks.resume import checkpoint_problem
+from nlp_tricks.runtime.resume import checkpoint_problem
 from nlp_tricks.runtime.state import TRICKS_STATE_NAME
 from recipe_helpers import env as recipe_env
 from recipe_helpers import launch_ddp_script, ner_files, run_in_process, tiny_args
@@ -257,7 +257,7 @@ class TenSecondSteps(TrainerCallback):
 
 
 def test_max_time_stops_when_the_next_step_and_the_save_would_not_fit(tmp_path, monkeypatch):
-    import nlp_tricks.preemption as preemption
+    import nlp_tricks.runtime.preemption as preemption
 
     clock = FakeClock()
     monkeypatch.setattr(preemption, "time", clock)
@@ -318,7 +318,7 @@ def test_process_wide_budget_applies_to_every_trainer_and_can_be_cleared(tmp_pat
 def test_works_on_a_plain_trainer(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from nlp_tricks.preemption import install_preemption
+    from nlp_tricks.runtime.preemption import install_preemption
 
     args = TrainingArguments(
         output_dir=str(tmp_path),

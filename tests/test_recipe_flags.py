@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from nlp_tricks.losses import focal_alpha_weights, focal_loss
+from nlp_tricks.functional.losses import focal_alpha_weights, focal_loss
 from recipe_helpers import CLS_ROWS, ner_files, run_in_process, tiny_args, write_csv
 
 

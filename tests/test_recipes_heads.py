@@ -12,7 +12,7 @@ from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from nlp_tricks.crf import CRF, load_crf_model
+from nlp_tricks.functional.crf import CRF, load_crf_model
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.self_training import ner_pseudo_labels

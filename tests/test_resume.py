@@ -92,7 +92,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, one_thread, ca
     assert sorted(p.name for p in crashed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
     tear(crashed / "checkpoint-6")  # the newest checkpoint, as a crash in the middle of its save leaves it
-    with caplog.at_level(logging.WARNING, logger="nlp_tricks.resume"):
+    with caplog.at_level(logging.WARNING, logger="nlp_tricks.runtime.resume"):
         resume_run.run(crashed, config, resume=True)
     assert f"Skipping incomplete checkpoint {crashed / 'checkpoint-6'}: {reason}" in caplog.text
     _assert_same_result(reference, crashed, config)
@@ -177,7 +177,7 @@ def test_resume_true_picks_the_newest_complete_checkpoint_and_a_named_torn_one_r
 
 
 def checkpoint_ok(folder):
-    from nlp_tricks.resume import checkpoint_problem
+    from nlp_tricks.runtime.resume import checkpoint_problem
 
     return checkpoint_problem(folder) is None
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import default_data_collator
 
 from nlp_tricks import Trick, TricksArguments
-from nlp_tricks.sam import SAM
+from nlp_tricks.functional.sam import SAM
 from tiny import bert_seq_cls, bert_token_cls, one_sgd_step_trainer, seq_cls_data, token_cls_data
 
 # ---- References: the classic implementations written out ------------------------------------------------------------

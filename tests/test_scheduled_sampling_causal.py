@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import GPT2LMHeadModel, default_data_collator, modeling_utils
 
 from nlp_tricks import FGM, TricksArguments, TricksTrainer
-from nlp_tricks.scheduled_sampling import (
+from nlp_tricks.functional.scheduled_sampling import (
     causal_replacement_mask,
     causal_scheduled_sampling_forward,
     draw_predictions,
@@ -486,7 +486,7 @@ def test_neftune_noise_is_shared_by_the_graded_passes_and_fresh_in_pass_1(tmp_pa
     """With NEFTune, FGM and scheduled sampling: pass 1 (once, without autograd) gets its own noise; the clean and
     the adversarial pass 2 get the same noise. Replaying by call order would hand pass 1's noise to the adversarial
     pass 2, which does not run pass 1 again."""
-    from nlp_tricks.neftune import NEFTuneNoise
+    from nlp_tricks.functional.neftune import NEFTuneNoise
 
     added = []
     hook = NEFTuneNoise._hook

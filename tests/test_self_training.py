@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
 from nlp_tricks.data import DataError
-from nlp_tricks.losses import distillation_loss
+from nlp_tricks.functional.losses import distillation_loss
 from nlp_tricks.self_training import (
     TeacherLogitsCollator,
     classification_pseudo_labels,

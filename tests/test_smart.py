@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import default_data_collator
 
 from nlp_tricks import Trick, TricksArguments
-from nlp_tricks.smart import SMART
+from nlp_tricks.functional.smart import SMART
 from nlp_tricks.tricks.smart import SmoothnessRegularization
 from tiny import bert_seq_cls, bert_token_cls, one_sgd_step_trainer, seq_cls_data, token_cls_data
 

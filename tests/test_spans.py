@@ -25,6 +25,7 @@ from nlp_tricks.data.spans import (
     spans_to_tags,
     tags_to_spans,
 )
+from nlp_tricks.functional.losses import multilabel_categorical_crossentropy
 from nlp_tricks.functional.spans import (
     EfficientGlobalPointer,
     GlobalPointer,
@@ -35,7 +36,6 @@ from nlp_tricks.functional.spans import (
     span_targets,
     word_positions_of,
 )
-from nlp_tricks.losses import multilabel_categorical_crossentropy
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.metrics.spans import span_f1
 from tiny import word_tokenizer

@@ -499,7 +499,7 @@ def load_crf_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:
 
     Example::
 
-        from nlp_tricks.crf import load_crf_model
+        from nlp_tricks import load_crf_model
         model = load_crf_model("outputs/ner")
         logits = model(input_ids=..., attention_mask=...).logits
         tags = model.crf.decode(logits, word_mask)  # word_mask: True on each word's first sub-token

@@ -372,7 +372,7 @@ def load_pooled_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:
 
     Example::
 
-        from nlp_tricks.pooling import load_pooled_model
+        from nlp_tricks import load_pooled_model
         model = load_pooled_model("outputs/classification")
         logits = model(input_ids=..., attention_mask=...).logits
     """

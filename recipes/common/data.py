@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nlp_tricks.crf import bio_constraints
 from nlp_tricks.data import DataError, check_labels, kfold_examples, label_list, split_examples
 from nlp_tricks.data.arrow import as_dataset, distinct_values, first_rows
-from nlp_tricks.losses import focal_alpha_weights
+from nlp_tricks.functional.crf import bio_constraints
+from nlp_tricks.functional.losses import focal_alpha_weights
 
 from .arguments import DataArguments
 from .errors import first_sentence

@@ -13,10 +13,10 @@ from transformers import (
     AutoTokenizer,
 )
 
-from nlp_tricks.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
-from nlp_tricks.crf import add_crf, load_crf_model
 from nlp_tricks.data import DataError, demo_causal_lm_path, demo_model_path
-from nlp_tricks.pooling import load_pooled_model
+from nlp_tricks.functional.crf import add_crf, load_crf_model
+from nlp_tricks.functional.pooling import load_pooled_model
+from nlp_tricks.runtime.checkpoint import is_state_dict_file, load_state_dict_portable, read_state_dict
 
 from .arguments import ModelArguments
 from .errors import one_line_load_errors

@@ -8,8 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
-from nlp_tricks.checkpoint import DESCRIPTION_FILES
 from nlp_tricks.data import DataError
+from nlp_tricks.runtime.checkpoint import DESCRIPTION_FILES
 from nlp_tricks.runtime.lock import lock_output_dir
 
 from .process import is_main_process, logger

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from nlp_tricks.preemption import set_time_budget
+from nlp_tricks.runtime.preemption import set_time_budget
 
 from .arguments import RunArguments
 from .config_file import flag_actions, is_config_file, read_config_file

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from nlp_tricks.data import DataError
-from nlp_tricks.preemption import PREEMPTED_EXIT_CODE, describe_stop
-from nlp_tricks.resume import get_last_complete_checkpoint
 from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
 from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
 from nlp_tricks.runtime.lock import OutputDirBusyError
+from nlp_tricks.runtime.preemption import PREEMPTED_EXIT_CODE, describe_stop
+from nlp_tricks.runtime.resume import get_last_complete_checkpoint
 
 from .outputs import output_dir_locks, write_json_atomic
 from .process import is_main_process

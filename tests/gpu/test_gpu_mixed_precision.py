@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nlp_tricks import FGM, PGD, TricksTrainer, focal_loss, label_smoothing_cross_entropy
-from nlp_tricks.losses import cross_entropy
+from nlp_tricks.functional.losses import cross_entropy
 from nlp_tricks.seq2seq import Seq2SeqTricksTrainer
 from nlp_tricks.seq2seq.scheduled_sampling import scheduled_sampling_forward
 from tiny import bart_lm, bert_token_cls, seq2seq_data, token_cls_data, tricks_args
@@ -33,7 +33,7 @@ EPSILON, ALPHA, STEPS = 1.0, 0.3, 3
 GRAD_RTOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-# ---- Helpers and the fp32 references (written out here, independent of nlp_tricks.adversarial) --------------------
+# ---- Helpers and the fp32 references (written out here, independent of nlp_tricks.functional.adversarial) ----
 
 
 def token_batch(device, n=8):
