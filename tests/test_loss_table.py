@@ -3,6 +3,7 @@ functional losses' contract, and its own fields are refused with another loss; t
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,22 @@ def test_layering(layer, forbidden):
         if name.startswith(forbidden)
     ]
     assert not wrong, wrong
+
+
+def _quoted_code(page: Path) -> list[tuple[str, str]]:
+    """(source path, python block) for each block of ``page`` after a ``<!-- from PATH -->`` line."""
+    pattern = re.compile(r"<!-- from (\S+) -->\n```python\n(.*?)```", re.S)
+    return pattern.findall(page.read_text(encoding="utf-8"))
+
+
+def test_adding_a_loss_shows_the_code_as_it_is_in_the_repository():
+    """docs/tricks.md's worked example (Poly-1): each quoted block, its parts between `...` lines, appears in its
+    source file as it is, in that order."""
+    quoted = _quoted_code(ROOT.parent / "docs" / "tricks.md")
+    assert {path for path, _ in quoted} >= {"nlp_tricks/functional/losses.py", "nlp_tricks/tricks/loss_type.py"}
+    for path, block in quoted:
+        source, at = (ROOT.parent / path).read_text(encoding="utf-8"), 0
+        for part in re.split(r"^\s*\.\.\.\n", block, flags=re.M):
+            found = source.find(part, at)
+            assert part and found >= 0, f"docs/tricks.md quotes {path} as it is not:\n{part}"
+            at = found + len(part)
