@@ -248,7 +248,7 @@ def test_other_models_predict_as_with_transformers_own_pipelines(tiny_model):
     ours = pipeline("ner", model=tagger, tokenizer=tokenizer)
     assert type(ours).__name__ == "TokenClassificationPipelineWithHeads"
     theirs = TokenClassificationPipeline(model=tagger, tokenizer=tokenizer)
-    for strategy in ("none", "simple", "first", "max"):
+    for strategy in ("none", "simple", "first", "average", "max"):
         for text in ("john works at acme in new-york", "the cat , the dog"):
             assert ours(text, aggregation_strategy=strategy) == theirs(text, aggregation_strategy=strategy)
 
