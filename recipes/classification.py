@@ -49,13 +49,12 @@ Features:
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
-import torch
 from datasets import Dataset, Features, Sequence, Value
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
 
@@ -72,9 +71,24 @@ from nlp_tricks.data.arrow import as_dataset, iter_rows
 from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
+from classification_heads import (
+    HEAD_DEFAULTS,
+    ClassificationCollator,
+    ClassificationModelArguments,
+    LabelTokenFile,
+    Presentation,
+    TextArguments,
+    attach_pair_swap,
+    encode_batch,
+    load_model,
+    pair_swap_permutation,
+    probabilities,
+    restore_order,
+    sort_by_length,
+    write_prompts,
+)
 from common import (
     DataArguments,
-    ModelArguments,
     check_label_arguments,
     data_record,
     labelled_splits,
@@ -121,7 +135,7 @@ ABLATION_CONFIGURATIONS = {
 
 
 @dataclass
-class ClassificationDataArguments(DataArguments):
+class ClassificationDataArguments(TextArguments, DataArguments):
     """Where the texts come from and how they are cut."""
 
     dataset_name: str = field(
@@ -282,33 +296,46 @@ def label_set(value: str | list[str], delimiter: str, path, line: int | None) ->
 
 
 def tokenize_classification(
-    examples, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False, data=None
+    examples, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False, data=None, prompt=None
 ) -> Dataset:
-    """Tokenize texts, or ``(text, text_pair)`` pairs when the examples have a ``text_pair`` (truncated to
-    ``max_seq_length``), with their label ids, or with ``multi_label`` a 0/1 float row over ``label2id``.
+    """Tokenize texts, or ``(text, text_pair)`` pairs when the examples have a ``text_pair`` (cut to
+    ``max_seq_length`` on ``--truncation_side``), with their label ids, or with ``multi_label`` a 0/1 float row over
+    ``label2id``; with ``prompt`` (the label-token head's template) each text inside its prompt.
 
     ``examples``: a ``datasets.Dataset`` or a list of dicts. Tokenized batch by batch with ``Dataset.map`` (``data``:
-    the recipe's arguments, for ``--preprocessing_num_workers`` and ``--overwrite_cache``).
+    the recipe's arguments, for ``--truncation_side``, ``--preprocessing_num_workers`` and ``--overwrite_cache``).
     """
-    return tokenize_and_count(examples, tokenizer, label2id, max_seq_length, multi_label, data)[0]
+    return tokenize_and_count(examples, tokenizer, label2id, max_seq_length, multi_label, data, prompt)[0]
 
 
 def tokenize_and_count(
-    examples, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool = False, data=None
+    examples,
+    tokenizer,
+    label2id: dict,
+    max_seq_length: int,
+    multi_label: bool = False,
+    data=None,
+    prompt=None,
+    swap: list[int] | None = None,
+    train: bool = False,
 ) -> tuple[Dataset, int]:
     """:func:`tokenize_classification` and how many of its texts (pairs) are longer than ``max_seq_length`` tokens
-    (the model sees only part of them), counted in the same pass."""
+    (the model sees only part of them), counted in the same pass. ``swap`` (the class map of ``--pair_swap``) adds
+    each pair's swapped twin (``swap_*`` columns; with ``train``, its mapped labels too)."""
     dataset = as_dataset(examples)
     if len(dataset) == 0:
         return Dataset.from_dict({"input_ids": [], "labels": []}), 0
+    how = Presentation(
+        max_seq_length,
+        getattr(data, "truncation_side", "right"),
+        getattr(data, "head_tokens", None),
+        prompt,
+        tuple(swap) if swap is not None else None,
+        train,
+    )
     tokenized = dataset.map(
         encode_batch,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "label2id": label2id,
-            "max_seq_length": max_seq_length,
-            "multi_label": multi_label,
-        },
+        fn_kwargs={"tokenizer": tokenizer, "label2id": label2id, "multi_label": multi_label, "how": how},
         remove_columns=dataset.column_names,
         **map_options(data, "Running tokenizer on dataset"),
     )
@@ -316,72 +343,35 @@ def tokenize_and_count(
     return tokenized.remove_columns("truncated"), truncated
 
 
-def encode_batch(batch: dict, tokenizer, label2id: dict, max_seq_length: int, multi_label: bool) -> dict:
-    """One ``map`` batch: the truncated encodings, ``labels`` and whether each text (pair) was cut.
-
-    Only a text whose truncated encoding fills ``max_seq_length`` can have been cut, so only those are tokenized again
-    without truncation to tell: the count is exact, and short texts are tokenized once.
-    """
-    texts, pairs = batch["text"], batch.get("text_pair")
-    encodings = tokenizer(texts, pairs, truncation=True, max_length=max_seq_length)
-    truncated = [False] * len(texts)
-    full = [i for i, ids in enumerate(encodings["input_ids"]) if len(ids) >= max_seq_length]
-    if full:
-        lengths = tokenizer(
-            [texts[i] for i in full],
-            [pairs[i] for i in full] if pairs is not None else None,
-            truncation=False,
-            verbose=False,
-            return_length=True,
-        )["length"]
-        for i, length in zip(full, lengths):
-            truncated[i] = length > max_seq_length
-    if multi_label:
-        labels = [multi_hot(label, label2id) for label in batch["label"]]
-    else:
-        labels = [label2id[label] for label in batch["label"]]
-    return {**encodings, "labels": labels, "truncated": truncated}
-
-
-def multi_hot(labels: Iterable[str], label2id: dict) -> list[float]:
-    """The 0/1 row of a label set (floats: BCE's targets, and the model's multi-label loss reads float labels)."""
-    row = [0.0] * len(label2id)
-    for label in labels:
-        row[label2id[label]] = 1.0
-    return row
-
-
-def truncated_texts(examples, tokenizer, max_length: int) -> int:
-    """How many texts (or ``text_pair`` pairs) are longer than ``max_length`` tokens (the model sees only part)."""
-    texts = [ex["text"] for ex in examples]
-    pairs = [ex["text_pair"] for ex in examples] if len(examples) and "text_pair" in examples[0] else None
-    lengths = tokenizer(texts, pairs, truncation=False, verbose=False, return_length=True)["length"]
-    return sum(length > max_length for length in lengths)
-
-
-def classification_truncation_record(counts: dict[str, tuple[int, int]], max_seq_length: int) -> dict:
+def classification_truncation_record(
+    counts: dict[str, tuple[int, int]], max_seq_length: int, side: str = "right"
+) -> dict:
     """``<prefix>_truncated_examples`` of each split for ``all_results.json``, from ``{split: (truncated texts,
     texts)}``; a warning for validation / test."""
     record = {}
+    kept = {"right": "beginning", "left": "end", "head_tail": "head and tail", "middle": "first and last halves"}
     for split, (count, total) in counts.items():
         record[f"{'eval' if split == 'validation' else split}_truncated_examples"] = count
         if count and split != "train":
             warn(
                 f"{split}: {count} of {total} texts are longer than --max_seq_length {max_seq_length} "
-                "tokens; the model sees their beginning only"
+                f"tokens; the model sees their {kept[side]} only (--truncation_side {side})"
             )
     return record
 
 
 def classification_compute_metrics(num_labels: int, num_examples: int | None = None) -> Callable:
     """``compute_metrics`` for the Trainer: accuracy and macro-F1 over every training label, on the split's
-    ``num_examples`` examples (see ``common.own_rows``; None: every row)."""
+    ``num_examples`` examples (see ``common.own_rows``; None: every row). Predictions are class ids, or rows of
+    class scores (probabilities) whose argmax is taken."""
     accuracy_f1 = load_metric("accuracy_f1")
 
     def compute_metrics(eval_pred):
         predictions, label_ids = eval_pred
         if num_examples is not None:
             predictions, label_ids = own_rows(predictions, num_examples), own_rows(label_ids, num_examples)
+        if predictions.ndim == 2:
+            predictions = predictions.argmax(axis=-1)
         # Macro-F1 over every training label, so a class the model never predicts counts as F1 0.
         scores = accuracy_f1.compute(predictions=predictions, references=label_ids, labels=list(range(num_labels)))
         return {key: float(value) for key, value in scores.items()}
@@ -389,26 +379,22 @@ def classification_compute_metrics(num_labels: int, num_examples: int | None = N
     return compute_metrics
 
 
-def multi_label_compute_metrics(num_examples: int | None = None) -> Callable:
-    """``compute_metrics`` for the Trainer on thresholded 0/1 predictions: subset accuracy, macro-F1 over every
-    training label (a label never predicted counts as F1 0) and micro-F1, on the split's ``num_examples`` examples
-    (see ``common.own_rows``; None: every row)."""
+def multi_label_compute_metrics(num_examples: int | None = None, threshold: float = 0.5) -> Callable:
+    """``compute_metrics`` for the Trainer on 0/1 predictions, or on sigmoid probabilities thresholded at
+    ``threshold``: subset accuracy, macro-F1 over every training label (a label never predicted counts as F1 0) and
+    micro-F1, on the split's ``num_examples`` examples (see ``common.own_rows``; None: every row)."""
     multi_label_f1 = load_metric("multi_label_f1")
 
     def compute_metrics(eval_pred):
         predictions, label_ids = eval_pred
         if num_examples is not None:
             predictions, label_ids = own_rows(predictions, num_examples), own_rows(label_ids, num_examples)
+        if np.issubdtype(predictions.dtype, np.floating):
+            predictions = predictions > threshold
         scores = multi_label_f1.compute(predictions=predictions.astype(int), references=label_ids.astype(int))
         return {key: float(value) for key, value in scores.items()}
 
     return compute_metrics
-
-
-def predict_labels(threshold: float) -> Callable:
-    """``preprocess_logits_for_metrics`` of multi-label runs: 1 where a label's sigmoid probability is above
-    ``threshold``."""
-    return lambda logits, labels: (torch.sigmoid(logits.float()) > threshold).long()
 
 
 # ---- The self-training task (recipes/self_training.py --task classification) ----------------------------------------
@@ -504,7 +490,7 @@ def write_predictions(path: Path, examples: list[dict], predictions, id2label, l
             writer.writerow([gold, predicted, ex["text"], *([ex["text_pair"]] if pairs else [])])
 
 
-RECIPE_ARGUMENT_TYPES = (ClassificationDataArguments, ModelArguments, TricksArguments)
+RECIPE_ARGUMENT_TYPES = (ClassificationDataArguments, ClassificationModelArguments, TricksArguments)
 
 
 def read_data(data_args: ClassificationDataArguments):
@@ -515,23 +501,90 @@ def read_data(data_args: ClassificationDataArguments):
     return splits, labels, train_examples, eval_examples
 
 
-def tokenize_data(data_args: ClassificationDataArguments, tokenizer, labels: list[str], train_examples, eval_examples):
-    """``(train_dataset, eval_datasets, truncation record)``: every split tokenized (``Dataset.map``, cached)."""
+def tokenize_data(
+    data_args: ClassificationDataArguments,
+    tokenizer,
+    labels: list[str],
+    train_examples,
+    eval_examples,
+    prompt=None,
+    swap: list[int] | None = None,
+):
+    """``(train_dataset, eval_datasets, truncation record)``: every split tokenized (``Dataset.map``, cached), inside
+    the label-token head's ``prompt`` if any; with ``swap`` (``--pair_swap``) the training pairs carry their swapped
+    twins, and with ``--pair_swap_predict`` the evaluated ones too."""
     label2id = {label: i for i, label in enumerate(labels)}
     datasets, counts = {}, {}
     for split, examples in {"train": train_examples, **eval_examples}.items():
+        train = split == "train"
         datasets[split], truncated = tokenize_and_count(
-            examples, tokenizer, label2id, data_args.max_seq_length, data_args.multi_label, data_args
+            examples,
+            tokenizer,
+            label2id,
+            data_args.max_seq_length,
+            data_args.multi_label,
+            data_args,
+            prompt,
+            swap if train or getattr(data_args, "pair_swap_predict", False) else None,
+            train,
         )
         counts[split] = (truncated, len(examples))
     train_dataset = datasets.pop("train")
-    return train_dataset, datasets, classification_truncation_record(counts, data_args.max_seq_length)
+    side = getattr(data_args, "truncation_side", "right")
+    return train_dataset, datasets, classification_truncation_record(counts, data_args.max_seq_length, side)
 
 
 def prepare_data(data_args: ClassificationDataArguments, tokenizer):
     """All of the recipe's data work without a model (benchmarks/data_scale.py times it)."""
     _, labels, train_examples, eval_examples = read_data(data_args)
     return tokenize_data(data_args, tokenizer, labels, train_examples, eval_examples)
+
+
+def build_trainer(model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, num_labels: int):
+    """``(trainer, split_metrics)``: the TricksTrainer of this run, each split's metrics, the model's predictions as
+    class probabilities, both orders of each pair with ``--pair_swap`` (and at prediction with
+    ``--pair_swap_predict``)."""
+    multi_label = data_args.multi_label
+    if multi_label:
+        split_metrics = {
+            s: multi_label_compute_metrics(len(ds), data_args.threshold) for s, ds in eval_datasets.items()
+        }
+    else:
+        split_metrics = {s: classification_compute_metrics(num_labels, len(ds)) for s, ds in eval_datasets.items()}
+    if "validation" not in eval_datasets:
+        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
+    if swap is not None:
+        training_args.remove_unused_columns = False  # the swapped pairs' columns go to the collator
+    attach_pair_swap(model, data_args, swap)
+    with refusals_of_the_model():
+        trainer = TricksTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_datasets.get("validation"),
+            processing_class=tokenizer,
+            data_collator=ClassificationCollator(tokenizer),
+            compute_metrics=split_metrics.get("validation"),
+            preprocess_logits_for_metrics=probabilities(multi_label),
+            callbacks=[LabelTokenFile()],
+        )
+    return trainer, split_metrics
+
+
+def write_test_outputs(
+    output_dir: Path, output, examples, eval_sets: dict, tokenizer, id2label, data_args, prompts: bool = False
+) -> None:
+    """``test_probabilities.npy`` (float32, file order, columns in label order), ``test_predictions.csv`` and, for
+    the label-token head, each evaluated split's prompts (``test_prompts.jsonl``, ``validation_prompts.jsonl``).
+    ``eval_sets``: ``{split: (dataset sorted by length, its order)}``."""
+    dataset, order = eval_sets["test"]
+    probs = restore_order(own_rows(output.predictions, len(order)), order).astype(np.float32)
+    np.save(output_dir / "test_probabilities.npy", probs)
+    predictions = probs > data_args.threshold if data_args.multi_label else probs.argmax(axis=-1)
+    write_predictions(output_dir / "test_predictions.csv", examples, predictions, id2label, data_args.label_delimiter)
+    if prompts:
+        for split, (dataset, order) in eval_sets.items():
+            write_prompts(output_dir / f"{split}_prompts.jsonl", dataset, tokenizer, order)
 
 
 def main() -> None:
@@ -542,6 +595,7 @@ def main() -> None:
         "classification",
         RECIPE_DEFAULTS,
         description=__doc__,
+        dependent_defaults=HEAD_DEFAULTS,
         evidence_defaults=EVIDENCE_DEFAULTS,
         evidence_unless="multi_label",
     )
@@ -550,58 +604,27 @@ def main() -> None:
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
         splits, labels, train_examples, eval_examples = read_data(data_args)
     check_label_arguments(training_args, labels)
-    id2label = dict(enumerate(labels))
+    swap = pair_swap_permutation(data_args, labels)
 
     # ---- Model ----
-    model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels)
-    multi_label = data_args.multi_label
-    if multi_label:
-        model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
+    model, tokenizer, prompt = load_model(model_args, data_args, labels)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_datasets, truncation = tokenize_data(
-            data_args, tokenizer, labels, train_examples, eval_examples
+            data_args, tokenizer, labels, train_examples, eval_examples, prompt, swap
         )
-
-    if multi_label:
-        predict = predict_labels(data_args.threshold)
-        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
-    else:
-        predict = lambda logits, labels: logits.argmax(dim=-1)  # noqa: E731
-        split_metrics = {
-            split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
-        }
-
-    if "validation" not in eval_datasets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_datasets.get("validation"),
-            processing_class=tokenizer,
-            data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-            compute_metrics=split_metrics.get("validation"),
-            preprocess_logits_for_metrics=predict,
-        )
+    eval_sets = {split: sort_by_length(dataset) for split, dataset in eval_datasets.items()}  # padding less
+    eval_datasets = {split: dataset for split, (dataset, _) in eval_sets.items()}
+    trainer, split_metrics = build_trainer(
+        model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, len(labels)
+    )
 
     # ---- Train, evaluate, predict; all_results.json last ----
-    output_dir = Path(training_args.output_dir)
-    record = {**data_record(splits, labels), **truncation}
-    train_evaluate_predict(
-        trainer,
-        train_dataset,
-        eval_datasets,
-        lambda output: write_predictions(
-            output_dir / "test_predictions.csv",
-            eval_examples["test"],
-            output.predictions,
-            id2label,
-            data_args.label_delimiter,
-        ),
-        split_metrics,
-        record,
+    out, id2label = Path(training_args.output_dir), dict(enumerate(labels))
+    write = lambda output: write_test_outputs(  # noqa: E731
+        out, output, eval_examples["test"], eval_sets, tokenizer, id2label, data_args, prompt is not None
     )
+    record = {**data_record(splits, labels), **truncation}
+    train_evaluate_predict(trainer, train_dataset, eval_datasets, write, split_metrics, record)
 
 
 if __name__ == "__main__":
