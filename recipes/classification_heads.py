@@ -8,7 +8,7 @@ See docs/llm_classifiers.md.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -403,3 +403,42 @@ def write_prompts(path: Path, dataset, tokenizer, order: np.ndarray) -> None:
             if swapped:
                 record["prompt_swapped"] = tokenizer.decode(row["swap_input_ids"])
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+# ---- Ensemble members (recipes/ensemble_folder.py, recipes/kfold.py) ----------------------------------------------
+
+
+def load_member(folder: Path, model_args, labels: list[str]):
+    """``(model, tokenizer)`` of one saved member: its own head (a label-token member with its own words and
+    prompt, kept as ``model.prompt_template``), its own tokenizer."""
+    member_args = replace(model_args, tokenizer_name=None, ignore_mismatched_sizes=False)
+    if not is_label_token_folder(folder):
+        member_args = replace(member_args, head="classifier", label_words=None, prompt_template=None)
+        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, member_args, labels, str(folder))
+        return model, tokenizer
+    saved = _saved_record(str(folder))
+    pairs = PromptTemplate(saved["prompt_template"]).pairs if saved.get("prompt_template") else False
+    member_args = replace(member_args, head="label_token", label_words=None, prompt_template=None)
+    model, tokenizer, _ = load_label_token_classifier(member_args, labels, pairs, str(folder))
+    return model, tokenizer
+
+
+def member_inputs(recipe, model, tokenizer, rows: list[dict], labels: list[str], data_args, args):
+    """``(dataset, collator, args)`` to predict ``rows`` with one member: inside its prompt, cut on
+    ``--truncation_side``, with both orders averaged under ``--pair_swap_predict`` (the model's forwards hooked)."""
+    template = getattr(model, "prompt_template", None)
+    swap = pair_swap_permutation(data_args, labels) if getattr(data_args, "pair_swap_predict", False) else None
+    label2id = {label: i for i, label in enumerate(labels)}
+    dataset, _ = recipe.tokenize_and_count(
+        rows,
+        tokenizer,
+        label2id,
+        data_args.max_seq_length,
+        data=data_args,
+        prompt=PromptTemplate(template) if template else None,
+        swap=swap,
+    )
+    if swap is not None:
+        args.remove_unused_columns = False
+        attach_pair_swap(model, data_args, swap)
+    return dataset, ClassificationCollator(tokenizer), args

@@ -529,25 +529,18 @@ class ClassificationEnsembleTask(EnsembleTask):
         return self.recipe.load_classification_splits(data_args)
 
     def load_member(self, folder: Path, model_args, labels: list[str]):
-        from transformers import AutoModelForSequenceClassification
+        from classification_heads import load_member
 
-        from common import load_classifier
-
-        member_args = dataclasses.replace(model_args, tokenizer_name=None, ignore_mismatched_sizes=False)
-        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, member_args, labels, str(folder))
-        return model, tokenizer
+        return load_member(folder, model_args, labels)
 
     def predict(self, model, tokenizer, examples: list[dict], labels: list[str], data_args, args) -> MemberOutput:
-        from transformers import DataCollatorWithPadding
+        from classification_heads import member_inputs
 
-        label2id = {label: i for i, label in enumerate(labels)}
         if not examples:
             return MemberOutput(logits=np.zeros((0, len(labels)), dtype=np.float32))
         rows = [ex if "label" in ex else {**ex, "label": labels[0]} for ex in examples]  # placeholder, never scored
-        dataset = self.recipe.tokenize_classification(
-            rows, tokenizer, label2id, data_args.max_seq_length, data=data_args
-        )
-        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+        # The member's own prompt (a label-token member), --truncation_side, --pair_swap_predict.
+        dataset, collator, args = member_inputs(self.recipe, model, tokenizer, rows, labels, data_args, args)
         logits, _ = _predict(model, tokenizer, dataset, collator, args)
         return MemberOutput(logits=np.asarray(logits, dtype=np.float32))
 

@@ -138,9 +138,7 @@ def encode_prompts(
         try:
             kept, cut = cut_tokens(segments, max_length, side, head_tokens)
         except ValueError as err:
-            raise ValueError(
-                f"--max_seq_length {max_length}: the prompt template's own tokens fill it ({err})"
-            ) from err
+            raise ValueError(f"--max_seq_length {max_length}: the prompt template's tokens fill it ({err})") from err
         out["input_ids"].append([ids[i] for i in kept])
         out["attention_mask"].append([1] * len(kept))
         truncated.append(cut)

@@ -84,9 +84,7 @@ def cut_tokens(
     if len(segments) <= max_length:
         return list(range(len(segments))), False
     if fixed >= max_length:
-        raise ValueError(
-            f"{fixed} tokens that are never cut (special tokens, the prompt) leave no room in {max_length}"
-        )
+        raise ValueError(f"{fixed} tokens that are never cut leave no room for a text in max_length {max_length}")
     ids = sorted({s for s in segments if s is not None})
     positions = {s: [i for i, seg in enumerate(segments) if seg == s] for s in ids}
     budgets = segment_budgets([len(positions[s]) for s in ids], max_length - fixed)

@@ -19,6 +19,9 @@ from .process import is_main_process, logger
 RUN_OUTPUTS = (
     "all_results.json",
     "test_predictions.*",
+    "test_probabilities.npy",
+    "*_prompts.jsonl",  # the label-token head's prompts (recipes/classification.py)
+    "label_token.json",
     "self_training_results.json",
     "round_*",
     "trainer_state.json",
@@ -38,6 +41,7 @@ RUN_OUTPUTS = (
 RESULT_OUTPUTS = (
     "all_results.json",
     "test_predictions.*",
+    "test_probabilities.npy",
     "self_training_results.json",
     "round_*",
     "trainer_state.json",
