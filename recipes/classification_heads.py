@@ -362,8 +362,11 @@ class ClassificationCollator:
 
 def attach_pair_swap(model, data_args, permutation: list[int] | None) -> None:
     """With ``--pair_swap_predict``: the model's evaluation forwards average both orders (:class:`PairSwapAverage`)."""
-    if permutation is not None and getattr(data_args, "pair_swap_predict", False):
-        PairSwapAverage(permutation, multi_label=getattr(data_args, "multi_label", False)).attach(model)
+    if permutation is None or not getattr(data_args, "pair_swap_predict", False):
+        return
+    if getattr(model, "pair_swap_average", None) is None:  # once per model (an ensemble member predicts each split)
+        multi_label = getattr(data_args, "multi_label", False)
+        model.pair_swap_average = PairSwapAverage(permutation, multi_label=multi_label).attach(model)
 
 
 def probabilities(multi_label: bool):
