@@ -246,13 +246,24 @@ def resolve_scheme(scan: SchemeScan, scheme: str, source, detected_from: str | N
         raise ValueError(f"tag_scheme={scheme!r} is not allowed; choose auto or one of {', '.join(SCHEMES)}")
     bad = check_scheme(scan, scheme)
     if bad is not None:
-        name = SCHEME_NAMES[scheme]
-        named = f"detected in {detected_from}" if detected_from else f"--tag_scheme {scheme}"
-        raise DataError(
-            source,
-            bad[1],
-            f"tag {bad[0]!r} is not a {name} tag ({named}: 'O' and "
-            f"{', '.join(p + '-' for p in SCHEME_PREFIXES[scheme])} and a type); name the file's scheme with "
-            "--tag_scheme",
-        )
+        raise DataError(source, bad[1], _refusal(scan, scheme, bad[0], detected_from))
     return scheme, f"{SCHEME_NAMES[scheme]} (--tag_scheme {scheme})"
+
+
+def _refusal(scan: SchemeScan, scheme: str, tag: str, detected_from: str | None) -> str:
+    """Why ``tag`` is refused under ``scheme``, with the scheme the file's tags read as, when they read as one."""
+    prefixes = ", ".join(p + "-" for p in SCHEME_PREFIXES[scheme])
+    named = f"detected in {detected_from}" if detected_from else f"--tag_scheme {scheme}"
+    article = "an" if scheme.startswith("iob") else "a"
+    message = f"tag {tag!r} is not {article} {SCHEME_NAMES[scheme]} tag ({named}: 'O' and {prefixes} and a type)"
+    try:
+        other = detect_scheme(scan)[0]
+    except SchemeError:
+        other = None
+    if detected_from:
+        message += "; the files of one run share its training file's scheme"
+        return message + (f", and this one's tags read as {SCHEME_NAMES[other]}" if other else "")
+    if other:
+        message += f"; the file's tags read as {SCHEME_NAMES[other]}: name it with --tag_scheme {other}, or leave "
+        message += "--tag_scheme auto"
+    return message
