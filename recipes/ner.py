@@ -64,6 +64,7 @@ from transformers import AutoModelForTokenClassification, DataCollatorForTokenCl
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import DataError
+from nlp_tricks.data.schemes import convert_tags
 from nlp_tricks.data.spans import SpanCollator
 from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
@@ -83,7 +84,7 @@ from ner_data import (
     NER_FEATURES,
     NerDataArguments,
     NerEvalSet,
-    check_bio,
+    check_ner_splits,
     encode_ner_batch,
     load_ner_splits,
     ner_eval_set,
@@ -96,6 +97,7 @@ from ner_data import (
 from ner_outputs import (
     entity_scores,
     ner_compute_metrics,
+    ner_scores,
     ner_word_predictions,
     span_compute_metrics,
     span_word_predictions,
@@ -128,6 +130,7 @@ __all__ = [
     "RECIPE_DEFAULTS",
     "NerDataArguments",
     "NerEvalSet",
+    "check_ner_splits",
     "check_span_length",
     "encode_ner_batch",
     "entity_scores",
@@ -136,6 +139,7 @@ __all__ = [
     "load_span_splits",
     "main",
     "ner_eval_set",
+    "ner_scores",
     "prepare_data",
     "prepare_ner_tokenizer",
     "read_data",
@@ -232,7 +236,8 @@ class NerTask:
             for split, examples in eval_examples.items()
         }
         return {
-            split: (eval_set.dataset, ner_compute_metrics(id2label, eval_set)) for split, eval_set in eval_sets.items()
+            split: (eval_set.dataset, ner_compute_metrics(id2label, eval_set, data.tag_scheme))
+            for split, eval_set in eval_sets.items()
         }
 
     def pseudo_labels(self, logits, word_ids, threshold: float, crf=None) -> PseudoLabels:
@@ -250,11 +255,12 @@ class NerTask:
         return out
 
     def pseudo_label_accuracy(self, pseudo: PseudoLabels, hidden_gold: list, labels: list[str]) -> float | None:
-        """Per word: the share of labelled words of the kept sentences whose pseudo-tag is the held-out gold tag."""
+        """Per word: the share of labelled words of the kept sentences whose pseudo-tag is the held-out gold tag
+        (both IOB2, the tags the model trains on)."""
         hits = [
             labels[y] == gold
             for i, word_labels in zip(pseudo.indices, pseudo.labels)
-            for y, gold in zip(word_labels, hidden_gold[i])
+            for y, gold in zip(word_labels, convert_tags(hidden_gold[i]))
             if y is not None
         ]
         return float(np.mean(hits)) if hits else None
@@ -311,12 +317,13 @@ def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, traini
         train_dataset, eval_sets, truncation = tokenize_data(
             data_args, tokenizer, labels, train_examples, eval_examples
         )
-    id2label = dict(enumerate(labels))
-    split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
+    id2label, scheme = dict(enumerate(labels)), data_args.tag_scheme
+    split_metrics = {split: ner_compute_metrics(id2label, eval_set, scheme) for split, eval_set in eval_sets.items()}
 
     def write_test_predictions(output):
         word_tags = ner_word_predictions(eval_sets["test"], output.predictions, output.label_ids, id2label)
-        write_predictions(Path(training_args.output_dir) / "test_predictions.txt", eval_sets["test"], word_tags)
+        path = Path(training_args.output_dir) / "test_predictions.txt"
+        write_predictions(path, eval_sets["test"], word_tags, scheme)
 
     _train_and_report(
         training_args,
@@ -336,9 +343,8 @@ def _setup_tagged_data(data_args: NerDataArguments, training_args: TricksArgumen
     check_no_span_files(data_args)
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
         splits, labels, train_examples, eval_examples = read_data(data_args)
+    # The labels are IOB2 whatever the files' scheme, so --crf_bio_constraints always fits them.
     check_label_arguments(training_args, labels)
-    if training_args.crf_bio_constraints:
-        check_bio(train_examples, splits["train"][1])
     return splits, labels, train_examples, eval_examples
 
 

@@ -696,7 +696,8 @@ def read_ner_file(
     """Read NER examples from CoNLL or JSON lines (by suffix), as ``{"tokens", "ner_tags", "line", "tag_lines"}``.
 
     Tags are strings, or with ``tag_names`` (the Hub's ``ClassLabel`` convention) integer ids: id ``i`` is
-    ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
+    ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays, as
+    does a prefixed tag of one of the names' entity types (``S-PER`` with ``O B-PER I-PER``: another scheme).
     JSON integer tags without ``tag_names``, an id out of range and an empty tag raise :class:`DataError`.
     """
     return list(iter_ner_file(path, tokens_field, tags_field, tag_names))
@@ -768,9 +769,16 @@ def _is_int(value) -> bool:
 _ID = re.compile(r"-?[0-9]+")
 
 
+def _of_named_types(tag: str, names: list[str]) -> bool:
+    return _PREFIXED_TAG.fullmatch(tag) is not None and any(
+        _PREFIXED_TAG.fullmatch(name) and name[2:] == tag[2:] for name in names
+    )
+
+
 def _tag_name(tag, names: list[str], path, line) -> str:
-    """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays."""
-    if isinstance(tag, str) and tag in names:
+    """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays, and so does
+    a tag of the names' entity types in another scheme (``S-PER`` where the names are ``O B-PER I-PER``)."""
+    if isinstance(tag, str) and (tag in names or _of_named_types(tag, names)):
         return tag
     if isinstance(tag, _JsonNumber) and tag.integer:
         text = tag.text

@@ -131,7 +131,8 @@ def iob2_name(tag: str) -> str:
 
 class SchemeScan:
     """What :func:`detect_scheme` and :func:`check_scheme` need of a file's tags, gathered one sentence at a time:
-    the first tag (and line) of each prefix, the first tag without one, and where IOB1 and IOB2 show.
+    the first tag (and line) of each prefix, the first tag without one, where IOB1 and IOB2 show, and the IOB2 tags
+    the sentences convert to (:func:`convert_tags`), each with the first tag and line it comes from.
 
     ``add(tags, lines)`` takes one sentence's tags and the line of each (None where unknown).
     """
@@ -141,6 +142,7 @@ class SchemeScan:
         self.bare = None  # (tag, line) of the first tag that is neither O nor prefixed
         self.i_opens = None  # (tag, line) of the first I- that opens an entity (IOB1's way, ill-formed in IOB2)
         self.b_opens = None  # (tag, line) of the first B- after O or another type (IOB2's way, ill-formed in IOB1)
+        self.iob2 = {}  # IOB2 tag -> (tag, line) of the first tag converted to it
 
     def add(self, tags: Sequence[str], lines: Sequence[int | None]) -> None:
         previous = ("O", "")
@@ -149,8 +151,7 @@ class SchemeScan:
                 prefix, kind = split_tag(tag)
             except ValueError:
                 self.bare = self.bare or (tag, line)
-                previous = ("O", "")
-                continue
+                return
             if prefix != "O":
                 self.first.setdefault(prefix, (tag, line))
             continues = previous[0] != "O" and previous[1] == kind
@@ -159,6 +160,8 @@ class SchemeScan:
             elif prefix == "B" and not continues:
                 self.b_opens = self.b_opens or (tag, line)
             previous = (prefix, kind)
+        for tag, line, iob2 in zip(tags, lines, convert_tags(tags)):
+            self.iob2.setdefault(iob2, (tag, line))
 
 
 def _where(found: tuple[str, int | None]) -> str:
