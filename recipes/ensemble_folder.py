@@ -392,6 +392,10 @@ class NerSpanEnsembleTask(NerEnsembleTask):
     def load_splits(self, data_args):
         return self.recipe.load_span_splits(data_args)
 
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        self.recipe.resolve_span_scheme(data_args)  # the scheme of --span_flat's test_predictions.txt
+        EnsembleTask.check_splits(self, splits, labels, data_args)
+
     def check_labels(self, examples, labels: list[str], source: str) -> None:
         from nlp_tricks.data.spans import check_entity_types
 
@@ -463,9 +467,8 @@ class NerSpanEnsembleTask(NerEnsembleTask):
     def write(self, path: Path, examples: list[dict], predictions: list[list], data_args) -> None:
         """The span recipe's files: ``<name>.jsonl`` and, flat, ``<name>.txt`` (IOB2 tags)."""
         path = Path(path)
-        self.recipe.write_span_predictions(
-            path.parent, SimpleNamespace(examples=examples), predictions, self.flat, name=path.stem
-        )
+        examples, scheme = SimpleNamespace(examples=examples), data_args.tag_scheme
+        self.recipe.write_span_predictions(path.parent, examples, predictions, self.flat, path.stem, scheme)
 
     def score(self, gold: list[list], predicted: list[list], labels: list[str], data_args=None) -> dict[str, float]:
         """The span recipe's metrics (exact-span P / R / F1, micro and per type)."""

@@ -110,6 +110,7 @@ from ner_spans import (
     load_span_classifier,
     load_span_splits,
     read_span_data,
+    resolve_span_scheme,
     saved_span_defaults,
     saved_span_head,
     saved_types,
@@ -144,6 +145,7 @@ __all__ = [
     "prepare_ner_tokenizer",
     "read_data",
     "read_span_data",
+    "resolve_span_scheme",
     "saved_span_defaults",
     "saved_span_head",
     "saved_types",
@@ -367,7 +369,8 @@ def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_
     def write_test_predictions(output):
         eval_set = eval_sets["test"]
         predicted = span_word_predictions(eval_set, own_rows(output.predictions, len(eval_set.seen_words)), types)
-        write_span_predictions(Path(training_args.output_dir), eval_set, predicted, training_args.span_flat)
+        out, flat = Path(training_args.output_dir), training_args.span_flat
+        write_span_predictions(out, eval_set, predicted, flat, scheme=data_args.tag_scheme)
 
     _train_and_report(
         training_args,

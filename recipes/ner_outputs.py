@@ -113,12 +113,17 @@ def span_compute_metrics(types: list[str], eval_set: NerEvalSet) -> Callable:
 
 
 def write_span_predictions(
-    out: Path, eval_set: NerEvalSet, predicted: list[list[tuple]], flat: bool, name: str = "test_predictions"
+    out: Path,
+    eval_set: NerEvalSet,
+    predicted: list[list[tuple]],
+    flat: bool,
+    name: str = "test_predictions",
+    scheme: str = "iob2",
 ) -> None:
     """``<name>.jsonl`` (``test_predictions.jsonl``): per sentence ``{"tokens", "entities": predicted,
     "gold_entities": gold}`` (a nested data file of the predictions); with ``flat`` also ``<name>.txt``
-    (``token<TAB>gold<TAB>predicted`` IOB2 tags per word, as the tagging recipe writes), when the gold entities are
-    flat too."""
+    (``token<TAB>gold<TAB>predicted`` tags per word in ``scheme``, as the tagging recipe writes), when the gold
+    entities are flat too."""
     gold = gold_spans(eval_set)
     lines = []
     for ex, pred, ref in zip(eval_set.examples, predicted, gold):
@@ -129,11 +134,11 @@ def write_span_predictions(
         return
     try:
         tags = [
-            (ex["tokens"], spans_to_tags(ref, len(ex["tokens"])), spans_to_tags(pred, len(ex["tokens"])))
+            (ex["tokens"], *(spans_to_tags(spans, len(ex["tokens"]), scheme) for spans in (ref, pred)))
             for ex, pred, ref in zip(eval_set.examples, predicted, gold)
         ]
     except ValueError:
-        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (IOB2 tags) is written")
+        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (tags of one entity per word) is written")
         return
     blocks = ["\n".join(f"{t}\t{g}\t{p}" for t, g, p in zip(*sentence)) + "\n" for sentence in tags]
     (out / f"{name}.txt").write_text("\n".join(blocks), encoding="utf-8")

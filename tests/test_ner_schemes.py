@@ -234,3 +234,20 @@ def test_self_training_on_a_bilou_file(tiny_model, tmp_path, monkeypatch):
     round1 = json.loads((out / "self_training_results.json").read_text())["rounds"][0]
     assert round1["pseudo_labels"]["kept"] == 8 and 0.0 <= round1["pseudo_labels"]["accuracy_of_kept"] <= 1.0
     assert 0.0 <= round1["student"]["test_f1"] <= 1.0
+
+
+def test_a_span_head_writes_flat_predictions_in_the_files_scheme(tiny_model, tmp_path, monkeypatch):
+    write_conll(tmp_path / "train.conll", TRAIN, "bmes")
+    gold = write_conll(tmp_path / "test.conll", TEST, "bmes")
+    out = tmp_path / "out"
+    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    args = tiny_args(tiny_model, out, *files, "--span_head", "global_pointer", "--span_flat", "true")
+    assert run_in_process("ner", args, monkeypatch) == 0
+    rows = columns(out / "test_predictions.txt")
+    assert [[g for _, g, _ in sentence] for sentence in rows] == gold
+    predicted = [[p for _, _, p in sentence] for sentence in rows]
+    assert all(convert_tags(tags, "bmes") == tags for tags in predicted)
+    records = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    assert [tags_to_spans(tags) for tags in predicted] == [
+        [(e["type"], e["start"], e["end"]) for e in record["entities"]] for record in records
+    ]
