@@ -172,7 +172,8 @@ def read_conll(path: str | Path) -> list[dict]:
     B-LOC``: whitespace-separated readers would keep ``New``), a space-separated line with more or fewer columns than
     its sentence's first (``New York B-LOC`` among ``token tag`` lines) or, in a sentence of one such line, more than
     the file's other sentences (``New York B-LOC`` alone in a ``token tag`` file), a comment line inside a sentence,
-    a tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
+    a tag-first file, a tag column mixing IOB tags with other words (see :func:`check_tag_columns`) and a file of one
+    line of more than 16 columns (text of one sentence per line, too wide to be CoNLL).
     """
     return _read_conll(path, tagged=True)
 
@@ -181,8 +182,9 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
     """Read unlabelled CoNLL-style text: one word per line in the first column (other columns, e.g. a gold tag,
     are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
 
-    The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
-    space-separated line with another column count than its sentence's (or the file's other sentences') refused.
+    The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped (the same lines, whether or not
+    the file has a tag column), a column holding a space or a space-separated line with another column count than its
+    sentence's (or the file's other sentences') refused, and nothing but :class:`DataError` raised.
     """
     return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
 
