@@ -15,7 +15,6 @@ from nlp_tricks.data import DataError
 from nlp_tricks.data.schemes import (
     SCHEMES,
     convert_tags,
-    iob2_name,
     resolve_scheme,
     scan_examples,
     spans_to_tags,
@@ -119,12 +118,6 @@ def test_the_lenient_rule_on_ill_formed_tags():
         assert tags_to_spans(list(tags)) == spans, tags
     with pytest.raises(ValueError, match="neither 'O' nor a prefixed tag"):
         tags_to_spans(["PER"])
-
-
-def test_iob2_names_of_a_words_own_tag():
-    assert [iob2_name(t) for t in ["O", "S-PER", "U-PER", "B-PER", "M-ORG", "E-ORG", "L-ORG", "I-X"]] == [
-        "O", "B-PER", "B-PER", "B-PER", "I-ORG", "I-ORG", "I-ORG", "I-X",
-    ]  # fmt: skip
 
 
 def test_tag_f1_is_seqeval_bit_for_bit_and_scheme_free():

@@ -19,8 +19,8 @@ mode: an entity ends before ``O``, a begin or single tag, or a change of type, a
 inside or end tag with no open entity of its type starts one (``I-PER`` after ``O`` in IOB2, ``M-ORG`` after ``O``
 in BMES, an ``E-LOC`` with no opening: a one-word entity), and an entity never closed by its end tag ends where the
 next of those comes. On well-formed tags of each scheme this is its strict reading; IOB1 and IOB2 read alike.
-:func:`spans_to_tags` writes entities back in any scheme, :func:`detect_scheme` names a file's scheme from its
-prefixes, :func:`check_scheme` refuses a tag the scheme does not have. Pure Python.
+:func:`spans_to_tags` writes entities back in any scheme; :func:`resolve_scheme` names a file's scheme from its
+prefixes (:func:`detect_scheme`) or checks the one given, refusing a tag the scheme does not have. Pure Python.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ __all__ = [
     "tags_to_spans",
     "spans_to_tags",
     "convert_tags",
-    "iob2_name",
     "SchemeScan",
     "SchemeError",
     "detect_scheme",
@@ -118,15 +117,6 @@ def spans_to_tags(spans: Iterable[tuple[str, int, int]], length: int, scheme: st
 def convert_tags(tags: Sequence[str], scheme: str = "iob2") -> list[str]:
     """One sentence's tags (any scheme, read by :func:`tags_to_spans`) written in ``scheme``."""
     return spans_to_tags(tags_to_spans(tags), len(tags), scheme)
-
-
-def iob2_name(tag: str) -> str:
-    """The IOB2 tag a tag of any scheme stands for when it is a word's own tag: ``O`` stays, a begin or single tag
-    is ``B-``, an inside or end tag ``I-`` (``S-PER`` -> ``B-PER``, ``M-ORG`` -> ``I-ORG``)."""
-    prefix, kind = split_tag(tag)
-    if prefix == "O":
-        return "O"
-    return f"{'B' if _ROLES[prefix] in ('B', 'S') else 'I'}-{kind}"
 
 
 class SchemeScan:
