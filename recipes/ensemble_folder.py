@@ -219,11 +219,15 @@ class EnsembleTask:
                 splits[split] = (self.load_splits(one)["validation"][0], path)
         else:
             splits = self.load_splits(data_args)
+        self.check_splits(splits, labels, data_args)
+        examples = {split: list(rows) for split, rows in eval_splits(splits, data_args.max_eval_samples).items()}
+        return examples, {split: splits[split][1] for split in examples}
+
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        """Refuse a gold label of validation or test outside ``labels`` (one ``file:line`` error)."""
         for split in ("validation", "test"):
             if split in splits:
                 self.check_labels(splits[split][0], labels, splits[split][1])
-        examples = {split: list(rows) for split, rows in eval_splits(splits, data_args.max_eval_samples).items()}
-        return examples, {split: splits[split][1] for split in examples}
 
     def check_labels(self, examples, labels: list[str], source: str) -> None:
         """Refuse a gold label outside ``labels`` (one ``file:line`` error)."""
@@ -255,6 +259,10 @@ class NerEnsembleTask(EnsembleTask):
 
     def load_splits(self, data_args):
         return self.recipe.load_ner_splits(data_args)
+
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        """The recipe's checks: the tag scheme resolved (into ``data_args.tag_scheme``), every tag known."""
+        self.recipe.check_ner_splits(splits, data_args, labels)
 
     def load_member(self, folder: Path, model_args, labels: list[str]):
         from transformers import AutoModelForTokenClassification
@@ -347,17 +355,13 @@ class NerEnsembleTask(EnsembleTask):
         return out
 
     def write(self, path: Path, examples: list[dict], predictions: list[list[str]], data_args) -> None:
-        self.recipe.write_predictions(path, SimpleNamespace(examples=examples), predictions)
+        """The recipe's ``test_predictions.txt``: gold tags as read, predictions in the run's tag scheme."""
+        self.recipe.write_predictions(path, SimpleNamespace(examples=examples), predictions, data_args.tag_scheme)
 
-    def score(self, gold: list[list[str]], predicted: list[list[str]], labels: list[str]) -> dict[str, float]:
-        """The recipe's metrics (seqeval_f1: entity P / R / F1, word accuracy; per entity type)."""
-        from nlp_tricks.metrics import load_metric
-
-        scores = load_metric("seqeval_f1").compute(predictions=predicted, references=gold)
-        return {
-            **{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")},
-            **self.recipe.entity_scores(scores),
-        }
+    def score(self, gold: list[list[str]], predicted: list[list[str]], labels: list[str], data_args=None) -> dict:
+        """The recipe's metrics (exact-span entity P / R / F1, word accuracy; per entity type) of predictions as
+        written (in the run's tag scheme: those of ``data_args``, else as given, e.g. read back from a file)."""
+        return self.recipe.ner_scores(gold, predicted, None if data_args is None else data_args.tag_scheme)
 
     def gold(self, examples: list[dict]) -> list[list[str]]:
         return [list(ex["ner_tags"]) for ex in examples]
@@ -387,6 +391,10 @@ class NerSpanEnsembleTask(NerEnsembleTask):
 
     def load_splits(self, data_args):
         return self.recipe.load_span_splits(data_args)
+
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        self.recipe.resolve_span_scheme(data_args)  # the scheme of --span_flat's test_predictions.txt
+        EnsembleTask.check_splits(self, splits, labels, data_args)
 
     def check_labels(self, examples, labels: list[str], source: str) -> None:
         from nlp_tricks.data.spans import check_entity_types
@@ -459,11 +467,10 @@ class NerSpanEnsembleTask(NerEnsembleTask):
     def write(self, path: Path, examples: list[dict], predictions: list[list], data_args) -> None:
         """The span recipe's files: ``<name>.jsonl`` and, flat, ``<name>.txt`` (IOB2 tags)."""
         path = Path(path)
-        self.recipe.write_span_predictions(
-            path.parent, SimpleNamespace(examples=examples), predictions, self.flat, name=path.stem
-        )
+        examples, scheme = SimpleNamespace(examples=examples), data_args.tag_scheme
+        self.recipe.write_span_predictions(path.parent, examples, predictions, self.flat, path.stem, scheme)
 
-    def score(self, gold: list[list], predicted: list[list], labels: list[str]) -> dict[str, float]:
+    def score(self, gold: list[list], predicted: list[list], labels: list[str], data_args=None) -> dict[str, float]:
         """The span recipe's metrics (exact-span P / R / F1, micro and per type)."""
         from nlp_tricks.metrics.spans import span_f1
 
@@ -573,7 +580,7 @@ class ClassificationEnsembleTask(EnsembleTask):
             path, examples, [index[p] for p in predictions], dict(enumerate(labels)), data_args.label_delimiter
         )
 
-    def score(self, gold: list[str], predicted: list[str], labels: list[str]) -> dict[str, float]:
+    def score(self, gold: list[str], predicted: list[str], labels: list[str], data_args=None) -> dict[str, float]:
         """The recipe's metrics (accuracy, macro-F1 over every label)."""
         from nlp_tricks.metrics import load_metric
 
@@ -721,7 +728,7 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
             task.write(out / task.predictions_file, examples, predictions, data_args)
             if recipe == "classification":
                 np.save(out / "test_probabilities.npy", task.probabilities(outputs[split]))
-        scores = task.score(task.gold(examples), predictions, labels)
+        scores = task.score(task.gold(examples), predictions, labels, data_args)
         results.update({f"{prefix}_{key}": value for key, value in scores.items()})
         results[f"{prefix}_samples"] = len(examples)
     results.update(

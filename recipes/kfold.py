@@ -54,6 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nlp_tricks.data import DataError, check_labels, kfold_assignment, label_list
+from nlp_tricks.data.schemes import convert_tags
 
 import sweep
 from ablation import multi_label_requested
@@ -82,6 +83,7 @@ RUNNER_FLAGS = (
     "max_eval_samples",
     "split_seed",
     "tag_names",
+    "tag_scheme",
     "entity_types",
 )
 # Recipe flags that contradict a k-fold run.
@@ -323,6 +325,8 @@ class KFold:
             flags += ["--entity_types", *self.labels]
         elif self.task.name == "ner":
             flags += ["--tag_names", *self.labels]
+        if self.task.name == "ner":  # every fold writes its predictions in the training file's tag scheme
+            flags += ["--tag_scheme", self.data_args.tag_scheme]
         return flags
 
     def fold_job(self, r: int, fold: int, pseudo: list[dict]) -> FoldJob:
@@ -456,7 +460,7 @@ class KFold:
         from nlp_tricks.ensemble import crf_with_scores
         from nlp_tricks.self_training import classification_pseudo_labels, ner_pseudo_labels
 
-        task, threshold = self.task, self.args.confidence_threshold
+        task, threshold, scheme = self.task, self.args.confidence_threshold, self.data_args.tag_scheme
         self_training_task = task.recipe.NER_TASK if task.name == "ner" else task.recipe.CLASSIFICATION_TASK
         per_fold, stats = [], []
         for fold in range(self.args.folds):
@@ -475,6 +479,8 @@ class KFold:
             else:
                 pseudo = classification_pseudo_labels(list(output.logits), threshold)
             examples = self_training_task.pseudo_examples(self.unlabeled, pseudo, self.labels)
+            if task.name == "ner":  # the model's IOB2 tags written in the scheme of the files they join
+                examples = [{**ex, "ner_tags": convert_tags(ex["ner_tags"], scheme)} for ex in examples]
             records = [
                 example_record(task, ex, self.data_args, f"unlabeled{i}") for i, ex in zip(pseudo.indices, examples)
             ]
@@ -615,7 +621,7 @@ class KFold:
             flags += ["--test_file", str(self.data_dir / "test.jsonl")]
         if self.task.name == "ner":
             # teacher_logits are per token; the CRF scores whole paths, so the student trains without it.
-            flags += ["--tag_names", *self.labels, "--crf", "false"]
+            flags += ["--tag_names", *self.labels, "--tag_scheme", self.data_args.tag_scheme, "--crf", "false"]
         return flags
 
     # ---- All of it ----
