@@ -28,8 +28,8 @@ from nlp_tricks.data.arrow import first_rows
 
 from classification import ClassificationDataArguments, load_classification_splits
 from common import eval_splits, labelled_splits, run_recipe, write_json_atomic
-from ner import NerDataArguments, load_ner_splits
-from summarization import SummarizationDataArguments, load_summarization_splits
+from ner_data import NerDataArguments, load_ner_splits
+from summarization_data import SummarizationDataArguments, load_summarization_splits
 
 BASELINES = {"gazetteer": "ner", "tfidf_lr": "classification", "copy": "summarization", "lead3": "summarization"}
 
