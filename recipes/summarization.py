@@ -64,12 +64,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import DataCollatorForSeq2Seq, EncoderDecoderModel, IntervalStrategy
+from transformers import DataCollatorForSeq2Seq, EncoderDecoderModel
 
 from nlp_tricks.data import DataError
 from nlp_tricks.seq2seq import Seq2SeqTricksArguments, Seq2SeqTricksTrainer
 
-from common import data_record, run_recipe, start_recipe, train_evaluate_predict
+from common import build_trainer, data_record, run_recipe, start_recipe, train_evaluate_predict
 from summarization_data import (
     DEFAULT_INSTRUCTION,
     PLAIN_PROMPT_END,
@@ -274,8 +274,6 @@ def _setup_trainer(model, tokenizer, causal: bool, arguments: tuple, datasets: t
     ``datasets``: ``(train_dataset, eval_datasets)``. No validation data: no evaluation during training."""
     model_args, training_args = arguments
     train_dataset, eval_datasets = datasets
-    if "validation" not in eval_datasets:
-        training_args.eval_strategy = IntervalStrategy.NO
     trainer_kwargs = {}
     if causal:
         trainer_class, collator = PromptCompletionTrainer, PromptCompletionCollator(tokenizer.pad_token_id)
@@ -283,12 +281,13 @@ def _setup_trainer(model, tokenizer, causal: bool, arguments: tuple, datasets: t
     else:
         trainer_class = Seq2SeqTricksTrainer
         collator = DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8)
-    return trainer_class(
+    return build_trainer(
+        trainer_class,
+        training_args,
+        train_dataset,
+        eval_datasets,
         **trainer_kwargs,
         model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_datasets.get("validation"),
         processing_class=tokenizer,
         data_collator=collator,
         compute_metrics=compute_metrics,
