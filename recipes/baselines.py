@@ -30,9 +30,9 @@ from nlp_tricks.data.schemes import convert_tags, tags_to_spans
 
 from classification import ClassificationDataArguments, load_classification_splits
 from common import eval_splits, labelled_splits, run_recipe, write_json_atomic
-from ner import NerDataArguments
-from ner import read_data as read_ner_data
-from summarization import SummarizationDataArguments, load_summarization_splits
+from ner_data import NerDataArguments
+from ner_data import read_data as read_ner_data
+from summarization_data import SummarizationDataArguments, load_summarization_splits
 
 BASELINES = {"gazetteer": "ner", "tfidf_lr": "classification", "copy": "summarization", "lead3": "summarization"}
 

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset
-from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, IntervalStrategy
+from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import DataError
@@ -79,11 +79,11 @@ from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlab
 
 from common import (
     ModelArguments,
+    build_trainer,
     check_label_arguments,
     data_record,
     load_classifier,
     own_rows,
-    refusals_of_the_model,
     run_recipe,
     start_recipe,
     train_evaluate_predict,
@@ -395,20 +395,18 @@ def _train_and_report(training_args, model_parts, data_parts, record, write_test
     then train, evaluate and predict; ``all_results.json`` last (``record`` goes into it)."""
     model, tokenizer, collator = model_parts
     train_dataset, eval_sets, split_metrics = data_parts
-    if "validation" not in eval_sets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
-            processing_class=tokenizer,
-            data_collator=collator,
-            compute_metrics=split_metrics.get("validation"),
-            **trainer_options,
-        )
     eval_datasets = {split: eval_set.dataset for split, eval_set in eval_sets.items()}
+    trainer = build_trainer(
+        TricksTrainer,
+        training_args,
+        train_dataset,
+        eval_datasets,
+        model=model,
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=split_metrics.get("validation"),
+        **trainer_options,
+    )
     train_evaluate_predict(trainer, train_dataset, eval_datasets, write_test_predictions, split_metrics, record)
 
 
