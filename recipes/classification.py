@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import (
@@ -89,6 +89,7 @@ from classification_heads import (
 )
 from common import (
     DataArguments,
+    build_trainer,
     check_label_arguments,
     data_record,
     labelled_splits,
@@ -96,7 +97,6 @@ from common import (
     load_splits,
     map_options,
     own_rows,
-    refusals_of_the_model,
     run_recipe,
     start_recipe,
     train_evaluate_predict,
@@ -540,34 +540,32 @@ def prepare_data(data_args: ClassificationDataArguments, tokenizer):
     return tokenize_data(data_args, tokenizer, labels, train_examples, eval_examples)
 
 
-def build_trainer(model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, num_labels: int):
+def build_classification_trainer(
+    model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, num_labels: int
+):
     """``(trainer, split_metrics)``: the TricksTrainer of this run, each split's metrics, the model's predictions as
     class probabilities, both orders of each pair with ``--pair_swap`` (and at prediction with
     ``--pair_swap_predict``)."""
-    multi_label = data_args.multi_label
+    multi_label, threshold = data_args.multi_label, data_args.threshold
     if multi_label:
-        split_metrics = {
-            s: multi_label_compute_metrics(len(ds), data_args.threshold) for s, ds in eval_datasets.items()
-        }
+        split_metrics = {s: multi_label_compute_metrics(len(ds), threshold) for s, ds in eval_datasets.items()}
     else:
         split_metrics = {s: classification_compute_metrics(num_labels, len(ds)) for s, ds in eval_datasets.items()}
-    if "validation" not in eval_datasets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
     if swap is not None:
         training_args.remove_unused_columns = False  # the swapped pairs' columns go to the collator
     attach_pair_swap(model, data_args, swap)
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_datasets.get("validation"),
-            processing_class=tokenizer,
-            data_collator=ClassificationCollator(tokenizer),
-            compute_metrics=split_metrics.get("validation"),
-            preprocess_logits_for_metrics=probabilities(multi_label),
-            callbacks=[LabelTokenFile()],
-        )
+    trainer = build_trainer(
+        TricksTrainer,
+        training_args,
+        train_dataset,
+        eval_datasets,
+        model=model,
+        processing_class=tokenizer,
+        data_collator=ClassificationCollator(tokenizer),
+        compute_metrics=split_metrics.get("validation"),
+        preprocess_logits_for_metrics=probabilities(multi_label),
+        callbacks=[LabelTokenFile()],
+    )
     return trainer, split_metrics
 
 
@@ -614,7 +612,7 @@ def main() -> None:
         )
     eval_sets = {split: sort_by_length(dataset) for split, dataset in eval_datasets.items()}  # padding less
     eval_datasets = {split: dataset for split, (dataset, _) in eval_sets.items()}
-    trainer, split_metrics = build_trainer(
+    trainer, split_metrics = build_classification_trainer(
         model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, len(labels)
     )
 
