@@ -9,6 +9,8 @@
     accelerate launch recipes/classification.py --train_file mnli_train.tsv --text_column premise \\
         --text_pair_column hypothesis                         # sentence pairs (NLI, paraphrase)
     accelerate launch recipes/classification.py --train_file tags.csv --multi_label true --label_delimiter ";"
+    accelerate launch recipes/classification.py --model_name_or_path smollm2-demo --head label_token \\
+        --label_words "sports=Sport,tech=Technology"            # a causal LM scored on label tokens
     accelerate launch recipes/classification.py my_run.yaml   # all arguments from one YAML / JSON file
     accelerate launch recipes/classification.py --tricks none # the plain baseline: no trick you did not give
 
@@ -29,7 +31,15 @@ Features:
   saw is an error naming its file and line, as is an empty label, a record without the column, an empty file and a
   file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
 - Sentence pairs (NLI, paraphrase): ``--text_pair_column`` names the second text; each pair is tokenized together
-  (``tokenizer(text, text_pair)``: one sequence with both segments, truncated longest first).
+  (``tokenizer(text, text_pair)``: one sequence with both segments, truncated longest first). ``--pair_swap
+  a=b,b=a,tie=tie`` (or ``symmetric``) trains each pair in both orders in the same batch, ``--pair_swap_predict``
+  averages ``p(a, b)`` with the label-mapped ``p(b, a)``.
+- Heads: ``--head classifier`` (a fresh classification head, the default) or ``--head label_token``: a causal LM whose
+  class logits are its next-token logits of the label words' first tokens (``--label_words``) at the last token of
+  the prompt (``--prompt_template``; default: the tokenizer's chat template); ``--do_train false`` on the base model
+  is zero-shot. See docs/llm_classifiers.md.
+- Where a long text is cut: ``--truncation_side {right,left,head_tail,middle}`` (``--head_tokens K``); a pair's texts
+  each get a budget; the label-token head cuts the text inside its prompt, never the template.
 - Multi-label: ``--multi_label true`` reads each label as a set (a JSON list, or a ``--label_delimiter``-separated
   string such as ``pos;funny``; an empty value is the empty set) and trains one sigmoid per label with binary
   cross-entropy (``problem_type="multi_label_classification"``); a label is predicted when its probability is above
@@ -42,8 +52,10 @@ Features:
 - Outputs in ``--output_dir`` (default ``outputs/classification``): model and tokenizer (safetensors),
   ``all_results.json`` (``eval_accuracy``, ``eval_f1``, the ``test_`` ones, the training numbers, the data files,
   label list and the number of texts cut by ``--max_seq_length``), ``test_predictions.csv``
-  (``label,predicted,text``, plus ``text_pair`` for pairs; multi-label sets joined with ``--label_delimiter``) and
-  ``trainer_state.json``. A folder holding an earlier run's results is refused unless ``--overwrite_output_dir``.
+  (``label,predicted,text``, plus ``text_pair`` for pairs; multi-label sets joined with ``--label_delimiter``),
+  ``test_probabilities.npy`` (float32, one row per test text in file order, columns in label order), with the
+  label-token head ``label_token.json`` and each evaluated split's prompts (``test_prompts.jsonl``), and
+  ``trainer_state.json``. Prediction batches are sorted by length, the outputs written back in file order. A folder holding an earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations

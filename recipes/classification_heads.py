@@ -235,7 +235,7 @@ def prompt_of(value: str | None, saved: dict | None, tokenizer, words: list[str]
     if template.pairs != pairs:
         need = "needs {text_pair} for --text_pair_column" if pairs else "has {text_pair} but the data has one text"
         raise DataError(None, None, f"{source}: the template {need}")
-    if template.template != template.template.rstrip():
+    if value is not None and template.template != template.template.rstrip():
         warn(f"{source} ends with white space: the answer position is that token, the label word follows it")
     return template
 

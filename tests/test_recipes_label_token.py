@@ -196,3 +196,20 @@ def test_kfold_of_label_token_folds(llama, tmp_path, monkeypatch):
             "--train_file", str(tmp_path / "train.csv"), "--test_file", str(tmp_path / "test.csv")]  # fmt: skip
     assert run_in_process("classification", args, monkeypatch) == 0
     np.testing.assert_allclose(np.load(alone / "test_probabilities.npy"), folds[0], rtol=1e-5)  # other batches
+
+
+def test_multi_label_label_token_head_predicts_a_sigmoid_per_label_word(llama, tmp_path, monkeypatch):
+    rows = [("the cat sat", "animal;home"), ("john works", "work"), ("the dog ran", "animal"), ("mary", "")] * 2
+    write_csv(tmp_path / "tags.csv", rows)
+    tags = str(tmp_path / "tags.csv")
+    out = tmp_path / "out"
+    words = ["--label_words", "animal=cat,home=mat,work=works"]
+    args = flags(llama, out, "--head", "label_token", *words, "--multi_label", "true", "--train_file", tags,
+                 "--validation_file", tags, "--test_file", tags)  # fmt: skip
+    assert run_in_process("classification", args, monkeypatch) == 0
+    probabilities = np.load(out / "test_probabilities.npy")
+    assert probabilities.shape == (8, 3) and ((probabilities > 0) & (probabilities < 1)).all()
+    predicted = [r["predicted"] for r in read_rows(out / "test_predictions.csv")]
+    labels = ["animal", "home", "work"]
+    assert predicted == [";".join(label for label, p in zip(labels, row) if p > 0.5) for row in probabilities]
+    assert "eval_micro_f1" in json.loads((out / "all_results.json").read_text())
