@@ -55,7 +55,8 @@ Features:
   (``label,predicted,text``, plus ``text_pair`` for pairs; multi-label sets joined with ``--label_delimiter``),
   ``test_probabilities.npy`` (float32, one row per test text in file order, columns in label order), with the
   label-token head ``label_token.json`` and each evaluated split's prompts (``test_prompts.jsonl``), and
-  ``trainer_state.json``. Prediction batches are sorted by length, the outputs written back in file order. A folder holding an earlier run's results is refused unless ``--overwrite_output_dir``.
+  ``trainer_state.json``. Prediction batches are sorted by length, the outputs written back in file order. A folder
+  holding an earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
 from __future__ import annotations

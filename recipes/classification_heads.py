@@ -241,19 +241,13 @@ def prompt_of(value: str | None, saved: dict | None, tokenizer, words: list[str]
 
 
 class LabelTokenFile(TrainerCallback):
-    """``label_token.json`` beside every checkpoint and the final model, also when a PEFT adapter is what is saved."""
-
-    def on_save(self, args, state, control, model=None, **kwargs):
-        self._write(Path(args.output_dir) / f"checkpoint-{state.global_step}", model, state)
+    """``label_token.json`` beside the final model when what is saved is a PEFT adapter (the classifier's own
+    ``save_pretrained`` writes it in every other case, checkpoints included, before their manifest)."""
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        self._write(Path(args.output_dir), model, state)
-
-    @staticmethod
-    def _write(folder: Path, model, state) -> None:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if state.is_world_process_zero and isinstance(inner, LabelTokenClassifier):
-            inner.save_label_token_file(folder)
+        if state.is_world_process_zero and isinstance(inner, LabelTokenClassifier) and inner is not model:
+            inner.save_label_token_file(args.output_dir)
 
 
 # ---- Tokenizing ---------------------------------------------------------------------------------------------------

@@ -213,3 +213,31 @@ def test_multi_label_label_token_head_predicts_a_sigmoid_per_label_word(llama, t
     labels = ["animal", "home", "work"]
     assert predicted == [";".join(label for label, p in zip(labels, row) if p > 0.5) for row in probabilities]
     assert "eval_micro_f1" in json.loads((out / "all_results.json").read_text())
+
+
+def test_a_label_token_run_resumes_from_its_checkpoint(llama, data, tmp_path, monkeypatch):
+    """A checkpoint holds the causal LM, its label_token.json in the manifest: resuming reaches the weights of the
+    run that was not stopped."""
+    head = [
+        "--head",
+        "label_token",
+        *LABEL_WORDS,
+        "--save_steps",
+        "1",
+        "--max_steps",
+        "3",
+        "--lr_scheduler_type",
+        "constant",
+        *data,
+    ]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run_in_process("classification", flags(llama, whole, *head), monkeypatch) == 0
+    first = flags(llama, parts, *head)
+    first[first.index("--max_steps", first.index("--head")) + 1] = "2"
+    assert run_in_process("classification", first, monkeypatch) == 0
+    assert (parts / "checkpoint-2" / "label_token.json").is_file()
+    resumed = [*flags(llama, parts, *head), "--resume_from_checkpoint", "true", "--overwrite_output_dir", "true"]
+    assert run_in_process("classification", resumed, monkeypatch) == 0
+    np.testing.assert_allclose(
+        np.load(parts / "test_probabilities.npy"), np.load(whole / "test_probabilities.npy"), rtol=1e-5
+    )
