@@ -253,7 +253,7 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
             task.write(out / task.predictions_file, examples, predictions, data_args)
             if recipe == "classification":
                 np.save(out / "test_probabilities.npy", task.probabilities(outputs[split]))
-        scores = task.score(task.gold(examples), predictions, labels)
+        scores = task.score(task.gold(examples), predictions, labels, data_args)
         results.update({f"{prefix}_{key}": value for key, value in scores.items()})
         results[f"{prefix}_samples"] = len(examples)
     results.update(

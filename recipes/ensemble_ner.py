@@ -47,6 +47,10 @@ class NerEnsembleTask(EnsembleTask):
     def load_splits(self, data_args):
         return self.recipe.load_ner_splits(data_args)
 
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        """The recipe's checks: the tag scheme resolved (into ``data_args.tag_scheme``), every tag known."""
+        self.recipe.check_ner_splits(splits, data_args, labels)
+
     def load_member(self, folder: Path, model_args, labels: list[str]):
         from transformers import AutoModelForTokenClassification
 
@@ -138,17 +142,13 @@ class NerEnsembleTask(EnsembleTask):
         return out
 
     def write(self, path: Path, examples: list[dict], predictions: list[list[str]], data_args) -> None:
-        self.recipe.write_predictions(path, SimpleNamespace(examples=examples), predictions)
+        """The recipe's ``test_predictions.txt``: gold tags as read, predictions in the run's tag scheme."""
+        self.recipe.write_predictions(path, SimpleNamespace(examples=examples), predictions, data_args.tag_scheme)
 
-    def score(self, gold: list[list[str]], predicted: list[list[str]], labels: list[str]) -> dict[str, float]:
-        """The recipe's metrics (seqeval_f1: entity P / R / F1, word accuracy; per entity type)."""
-        from nlp_tricks.metrics import load_metric
-
-        scores = load_metric("seqeval_f1").compute(predictions=predicted, references=gold)
-        return {
-            **{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")},
-            **self.recipe.entity_scores(scores),
-        }
+    def score(self, gold: list[list[str]], predicted: list[list[str]], labels: list[str], data_args=None) -> dict:
+        """The recipe's metrics (exact-span entity P / R / F1, word accuracy; per entity type) of predictions as
+        written (in the run's tag scheme: those of ``data_args``, else as given, e.g. read back from a file)."""
+        return self.recipe.ner_scores(gold, predicted, None if data_args is None else data_args.tag_scheme)
 
     def gold(self, examples: list[dict]) -> list[list[str]]:
         return [list(ex["ner_tags"]) for ex in examples]
@@ -178,6 +178,10 @@ class NerSpanEnsembleTask(NerEnsembleTask):
 
     def load_splits(self, data_args):
         return self.recipe.load_span_splits(data_args)
+
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        self.recipe.resolve_span_scheme(data_args)  # the scheme of --span_flat's test_predictions.txt
+        EnsembleTask.check_splits(self, splits, labels, data_args)
 
     def check_labels(self, examples, labels: list[str], source: str) -> None:
         from nlp_tricks.data.spans import check_entity_types
@@ -250,11 +254,10 @@ class NerSpanEnsembleTask(NerEnsembleTask):
     def write(self, path: Path, examples: list[dict], predictions: list[list], data_args) -> None:
         """The span recipe's files: ``<name>.jsonl`` and, flat, ``<name>.txt`` (IOB2 tags)."""
         path = Path(path)
-        self.recipe.write_span_predictions(
-            path.parent, SimpleNamespace(examples=examples), predictions, self.flat, name=path.stem
-        )
+        examples, scheme = SimpleNamespace(examples=examples), data_args.tag_scheme
+        self.recipe.write_span_predictions(path.parent, examples, predictions, self.flat, path.stem, scheme)
 
-    def score(self, gold: list[list], predicted: list[list], labels: list[str]) -> dict[str, float]:
+    def score(self, gold: list[list], predicted: list[list], labels: list[str], data_args=None) -> dict[str, float]:
         """The span recipe's metrics (exact-span P / R / F1, micro and per type)."""
         from nlp_tricks.metrics.spans import span_f1
 

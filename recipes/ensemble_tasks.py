@@ -112,11 +112,15 @@ class EnsembleTask:
                 splits[split] = (self.load_splits(one)["validation"][0], path)
         else:
             splits = self.load_splits(data_args)
+        self.check_splits(splits, labels, data_args)
+        examples = {split: list(rows) for split, rows in eval_splits(splits, data_args.max_eval_samples).items()}
+        return examples, {split: splits[split][1] for split in examples}
+
+    def check_splits(self, splits: dict, labels: list[str], data_args) -> None:
+        """Refuse a gold label of validation or test outside ``labels`` (one ``file:line`` error)."""
         for split in ("validation", "test"):
             if split in splits:
                 self.check_labels(splits[split][0], labels, splits[split][1])
-        examples = {split: list(rows) for split, rows in eval_splits(splits, data_args.max_eval_samples).items()}
-        return examples, {split: splits[split][1] for split in examples}
 
     def check_labels(self, examples, labels: list[str], source: str) -> None:
         """Refuse a gold label outside ``labels`` (one ``file:line`` error)."""
@@ -182,7 +186,7 @@ class ClassificationEnsembleTask(EnsembleTask):
             path, examples, [index[p] for p in predictions], dict(enumerate(labels)), data_args.label_delimiter
         )
 
-    def score(self, gold: list[str], predicted: list[str], labels: list[str]) -> dict[str, float]:
+    def score(self, gold: list[str], predicted: list[str], labels: list[str], data_args=None) -> dict[str, float]:
         """The recipe's metrics (accuracy, macro-F1 over every label)."""
         from nlp_tricks.metrics import load_metric
 

@@ -198,6 +198,8 @@ class KFold:
             flags += ["--entity_types", *self.labels]
         elif self.task.name == "ner":
             flags += ["--tag_names", *self.labels]
+        if self.task.name == "ner":  # every fold writes its predictions in the training file's tag scheme
+            flags += ["--tag_scheme", self.data_args.tag_scheme]
         return flags
 
     def fold_job(self, r: int, fold: int, pseudo: list[dict]) -> FoldJob:

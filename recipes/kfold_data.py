@@ -26,6 +26,7 @@ RUNNER_FLAGS = (
     "max_eval_samples",
     "split_seed",
     "tag_names",
+    "tag_scheme",
     "entity_types",
 )
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nlp_tricks.data.schemes import convert_tags
+
 from ensemble_folder import MemberOutput, prediction_args, rescore
 from kfold_data import example_record, is_span_task, strip_flags
 
@@ -24,7 +26,7 @@ def pseudo_labels(run: KFold, r: int, predicted: dict) -> tuple[list[list[dict]]
     from nlp_tricks.ensemble import crf_with_scores
     from nlp_tricks.self_training import classification_pseudo_labels, ner_pseudo_labels
 
-    task, threshold = run.task, run.args.confidence_threshold
+    task, threshold, scheme = run.task, run.args.confidence_threshold, run.data_args.tag_scheme
     self_training_task = task.recipe.NER_TASK if task.name == "ner" else task.recipe.CLASSIFICATION_TASK
     per_fold, stats = [], []
     for fold in range(run.args.folds):
@@ -43,6 +45,8 @@ def pseudo_labels(run: KFold, r: int, predicted: dict) -> tuple[list[list[dict]]
         else:
             pseudo = classification_pseudo_labels(list(output.logits), threshold)
         examples = self_training_task.pseudo_examples(run.unlabeled, pseudo, run.labels)
+        if task.name == "ner":  # the model's IOB2 tags written in the scheme of the files they join
+            examples = [{**ex, "ner_tags": convert_tags(ex["ner_tags"], scheme)} for ex in examples]
         records = [example_record(task, ex, run.data_args, f"unlabeled{i}") for i, ex in zip(pseudo.indices, examples)]
         per_fold.append(records)
         stats.append(pseudo_label_stat(run, r, fold, len(records)))
@@ -180,7 +184,7 @@ def student_flags(run: KFold) -> list[str]:
         flags += ["--test_file", str(run.data_dir / "test.jsonl")]
     if run.task.name == "ner":
         # teacher_logits are per token; the CRF scores whole paths, so the student trains without it.
-        flags += ["--tag_names", *run.labels, "--crf", "false"]
+        flags += ["--tag_names", *run.labels, "--tag_scheme", run.data_args.tag_scheme, "--crf", "false"]
     return flags
 
 
