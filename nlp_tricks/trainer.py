@@ -150,7 +150,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         self._own_state: dict[str, float] = {}
         self._optimizer_groups: dict | None = None  # the group signature, saved with each checkpoint
         self._legacy_groups = False  # resuming an earlier TricksTrainer's optimizer state in its own group layout
-        self._step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
+        self._tricks_step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
         self._context: LossContext | None = None  # the loss context of the micro-batch being trained
         self._lm_loss_path: str | None = None  # decided on first use (lm_loss_path)
         self._loss_only = False  # inside a prediction step whose logits are not returned
@@ -620,7 +620,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Upstream's, keeping the optimizer step's micro-batches for the loss context (``step_batches``)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step = {"batches": batch_samples, "num_items": num_items_in_batch, "next": 0, "counts": {}}
+        self._tricks_step = {"batches": batch_samples, "num_items": num_items_in_batch, "next": 0, "counts": {}}
         return batch_samples, num_items_in_batch
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
@@ -821,7 +821,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     ) -> torch.Tensor:
         """Upstream's training step, unless a trick runs the step (``--adversarial``: the attack's passes added;
         the returned, logged loss is the clean one)."""
-        step = self._step
+        step = self._tricks_step
         batches = step.get("batches") or []
         self._context = LossContext(
             phase="train",
