@@ -902,6 +902,13 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         """The weights the tricks choose for evaluation and the final model (the EMA's with ``--ema_eval``)."""
         return self.call_tricks("eval_weights")
 
+    def averaged_model(self) -> nn.Module:
+        """A copy of ``trainer.model`` holding the weights the final :meth:`save_model` writes: the EMA's with
+        ``ema_eval`` (after :meth:`train`, ``trainer.model`` keeps the raw weights, which training continues from),
+        the checkpoint average after ``swa_last_k`` (already in ``trainer.model``), else the trained weights."""
+        with self._eval_weights():
+            return copy.deepcopy(self.model)
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
         """Upstream ``evaluate``, with the weights the tricks choose (``--ema_eval``: the EMA's; the raw ones are
         restored bitwise after)."""
