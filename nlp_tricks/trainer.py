@@ -29,7 +29,7 @@ from .runtime import upstream as _upstream
 from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
 from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
-from .runtime.integrity import checkpoint_written
+from .runtime.integrity import checkpoint_written, final_model_written
 from .runtime.lm_loss import CausalLMLossPath
 from .runtime.lock import holds_output_dir
 from .runtime.param_groups import (
@@ -41,7 +41,7 @@ from .runtime.param_groups import (
 )
 from .runtime.passes import MultiPassStep
 from .runtime.preemption import PreemptionCallback, install_preemption
-from .runtime.resume import CHECKPOINT_RE, checkpoint_problem, get_last_complete_checkpoint, optimizer_groups_problem
+from .runtime.resume import CHECKPOINT_RE, CheckpointResumeError, checkpoint_to_resume, optimizer_groups_problem
 from .runtime.state import (
     TRAINER_ENTRY,
     TRICKS_STATE_NAME,
@@ -776,7 +776,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
                 return
             self._legacy_groups = False
         if problem is not None:
-            raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
+            raise CheckpointResumeError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
 
     @holds_output_dir  # one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
@@ -788,14 +788,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         :func:`~nlp_tricks.resume.checkpoint_problem`), and a named checkpoint that is incomplete raises.
         """
         required = self.required_checkpoint_files
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir, required)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            problem = checkpoint_problem(resume_from_checkpoint, required)
-            if problem is not None:
-                raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
+        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir, required)
         checkpoint = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
         if checkpoint is not None and self.model is not None:
             self._check_optimizer_groups(checkpoint)
@@ -940,7 +933,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
                 self._save_trick_states(output_dir)
             return
         info = self.call_tricks("saved_weights_info")
-        with self._eval_weights():
+        with final_model_written(self, output_dir), self._eval_weights():
             super().save_model(output_dir, _internal_call)
         if self.args.should_save and os.path.isdir(output_dir):
             if info is not None:
