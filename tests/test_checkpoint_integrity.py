@@ -238,7 +238,7 @@ KILLED_WRITER = """
 import sys, torch
 from safetensors.torch import save_file
 print("writing", flush=True)
-save_file({"w": torch.zeros(64 << 20)}, sys.argv[1])
+save_file({"w": torch.zeros(32 << 20)}, sys.argv[1])
 """
 
 
