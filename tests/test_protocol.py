@@ -224,7 +224,7 @@ def test_order_places_a_users_lookahead_before_or_after_the_ema(tmp_path):
         tricks = [Lookahead(order=order), probe]
         trainer = TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=16), tricks=tricks)
         names = [type(t).__name__ for t in trainer.tricks][-3:]
-        expected = ["Lookahead", "Probe", "ExponentialMovingAverage"]
+        expected = ["Lookahead", "Probe", "EMATrick"]
         assert names == (expected if order < 1100 else expected[1:] + expected[:1])
         trainer.train()
         ema = initial.float()

@@ -210,8 +210,8 @@ def test_a_checkpoint_written_before_tricks_became_objects_resumes_to_the_same_w
 def test_built_in_tricks_follow_the_arguments(tmp_path):
     args = tricks_args(tmp_path, crf=True, ema_decay=0.9, adversarial="pgd")
     names = [type(t).__name__ for t in built_in_tricks(args)]
-    assert names == ["CRFHead", "Distillation", "LossFunction", "Adversarial", "ExponentialMovingAverage"]
-    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["Distillation", "LossFunction"]
+    assert names == ["CRFTrick", "DistillationTrick", "LossTypeTrick", "AdversarialTrick", "EMATrick"]
+    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["DistillationTrick", "LossTypeTrick"]
     # User tricks come before the configured loss (by default), so a user's compute_loss answers first.
     user = LogitPenalty()
     assert built_in_tricks(args, user_tricks=[user])[2] is user
@@ -319,7 +319,7 @@ def test_a_hyperparameter_search_trial_applies_every_trick_field(tmp_path, monke
     assert trainer.args.warmup_steps == 0.5  # warmup_ratio mapped as the constructor maps it
     assert trainer.lr_scheduler.get_last_lr()[0] < trainer.args.learning_rate
     names = [type(t).__name__ for t in trainer.tricks]
-    assert names == ["RDrop", "Distillation", "LossFunction", "ExponentialMovingAverage"]
+    assert names == ["RDropTrick", "DistillationTrick", "LossTypeTrick", "EMATrick"]
     torch.testing.assert_close(trainer.tricks[2].class_weights, torch.tensor([1.0, 2.0, 3.0]))
     assert any("loss_kl" in log for log in trainer.state.log_history)
 

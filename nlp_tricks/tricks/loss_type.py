@@ -17,9 +17,10 @@ from ..functional.losses import (
     label_smoothing_cross_entropy,
     parse_class_weights,
 )
-from ..trick import LossBatch, Trick
+from ..trick import LossBatch
+from .base import BuiltInTrick
 
-__all__ = ["LossFunction", "LossArguments", "LOSS_TYPES"]
+__all__ = ["LossTypeTrick", "LossFunction", "LossArguments", "LOSS_TYPES"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class LossArguments:
     )
 
 
-class LossFunction(Trick):
+class LossTypeTrick(BuiltInTrick):
     """``loss_type`` on ``logits / temperature`` (float32), weighted by ``class_weights``: the last trick asked for
     the loss, so it is always there (plain cross-entropy when nothing is set)."""
 
@@ -91,8 +92,8 @@ class LossFunction(Trick):
         self.class_weights: torch.Tensor | None = None
 
     @classmethod
-    def from_args(cls, args) -> LossFunction:
-        return cls(args)
+    def enabled(cls, args) -> bool:
+        return True
 
     @staticmethod
     def validate(args) -> None:
@@ -242,3 +243,6 @@ def _dataset_labels(dataset):
 def _smoothing(args) -> float:
     """``label_smoothing_factor`` (a ``TrainingArguments`` field; 0 where the arguments have none)."""
     return getattr(args, "label_smoothing_factor", 0.0)
+
+
+LossFunction = LossTypeTrick  # its name before the built-ins were named <Flag>Trick

@@ -10,9 +10,9 @@ from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import seeded
 from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["PoolingHead", "PoolingArguments"]
+__all__ = ["PoolingTrick", "PoolingArguments"]
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PoolingArguments:
     )
 
 
-class PoolingHead(Trick):
+class PoolingTrick(BuiltInTrick):
     """Attaches :func:`~nlp_tricks.pooling.add_pooling` to the model before the Trainer wraps it; its new weights are
     drawn under ``seed``. Training, saving and loading need nothing else (``load_pooled_model`` reads the saved
     model back)."""
@@ -41,12 +41,9 @@ class PoolingHead(Trick):
     arguments = PoolingArguments
     order = 100
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> PoolingHead | None:
-        return cls(args) if args.pooling is not None else None
+    def enabled(cls, args) -> bool:
+        return args.pooling is not None
 
     @staticmethod
     def validate(args) -> None:
