@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
@@ -24,9 +22,8 @@ from .functional.adversarial import resolve_embedding_module
 from .functional.chunked_loss import HeadInputCapture
 from .functional.models import unwrap_model
 from .functional.multi_sample_dropout import find_classifier
-from .functional.outputs import output_logits, output_loss
+from .functional.outputs import output_logits, output_loss, outputs_with_loss
 from .runtime import upstream as _upstream
-from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
 from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
 from .runtime.integrity import checkpoint_written
@@ -35,7 +32,7 @@ from .runtime.lock import holds_output_dir
 from .runtime.optimizer import OptimizerGroups
 from .runtime.passes import MultiPassStep
 from .runtime.preemption import PreemptionCallback, install_preemption
-from .runtime.resume import CHECKPOINT_RE
+from .runtime.saved_weights import ChosenWeights
 from .runtime.state import TRAINER_ENTRY
 from .runtime.state_store import TrickStateStore
 from .runtime.step_log import StepLogging
@@ -51,7 +48,7 @@ from .trick import (
     merge_options,
     nested,
 )
-from .tricks import BuiltInTrick, built_in_tricks, tricks_section
+from .tricks import BuiltInTrick, built_in_tricks
 
 __all__ = ["TricksTrainer"]
 
@@ -61,7 +58,9 @@ logger = logging.getLogger(__name__)
 _EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
 
 
-class TricksTrainer(DropInLosses, CausalLMLossPath, OptimizerGroups, TrickStateStore, StepLogging, Trainer):
+class TricksTrainer(
+    DropInLosses, CausalLMLossPath, OptimizerGroups, TrickStateStore, StepLogging, ChosenWeights, Trainer
+):
     """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
     and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``, sorted by their ``order``.
 
@@ -527,19 +526,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, OptimizerGroups, TrickStateS
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
 
-    @staticmethod
-    def outputs_with_loss(outputs, loss: torch.Tensor):
-        """The outputs as the model returns them given labels: the loss first (upstream's ``prediction_step`` takes
-        a tuple's ``outputs[1:]`` as the predictions)."""
-        if isinstance(outputs, ModelOutput):
-            if "loss" in {f.name for f in dataclasses.fields(outputs)}:
-                return type(outputs)(**{**outputs, "loss": loss})
-            return outputs
-        if isinstance(outputs, dict):
-            return {"loss": loss, **outputs}
-        if isinstance(outputs, (tuple, list)):
-            return (loss, *outputs)
-        return (loss, outputs)
+    outputs_with_loss = staticmethod(outputs_with_loss)  # the outputs as a model given labels returns them
 
     # ---- Model, items, predictions ---------------------------------------------------------------------------------
 
@@ -696,62 +683,6 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, OptimizerGroups, TrickStateS
         if self.accelerator.num_processes > 1:
             value = self.accelerator.reduce(value, reduction="sum")
         return value
-
-    # ---- Evaluation and saving -------------------------------------------------------------------------------------
-
-    def _eval_weights(self):
-        """The weights the tricks choose for evaluation and the final model (the EMA's with ``--ema_eval``)."""
-        return self.call_tricks("eval_weights")
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
-        """Upstream ``evaluate``, with the weights the tricks choose (``--ema_eval``: the EMA's; the raw ones are
-        restored bitwise after)."""
-        with self._eval_weights():
-            return super().evaluate(
-                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
-            )
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test", **kwargs):
-        """Upstream ``predict``, with the weights the tricks choose (as :meth:`evaluate`)."""
-        with self._eval_weights():
-            return super().predict(
-                test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
-            )
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Upstream ``save_model``, plus the tricks' state.
-
-        - Into a ``checkpoint-N`` folder: the raw weights and the state store (``tricks_state.safetensors``: every
-          trick's ``state_dict()``, the EMA's tensors included), written before ``trainer_state.json``, so a
-          complete checkpoint holds it.
-        - Anywhere else (the final model): the weights the tricks choose (the EMA's with ``--ema_eval``, the
-          checkpoint average after ``--swa_last_k``), with an ``averaging.json`` beside them saying so.
-        """
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(output_dir))):
-            super().save_model(output_dir, _internal_call)
-            if self.args.should_save:
-                self._save_trick_states(output_dir)
-            return
-        info = self.call_tricks("saved_weights_info")
-        with self._eval_weights():
-            super().save_model(output_dir, _internal_call)
-        if self.args.should_save and os.path.isdir(output_dir):
-            if info is not None:
-                write_averaging_info(output_dir, info)
-            elif os.path.isfile(os.path.join(output_dir, AVERAGING_INFO_NAME)):
-                os.remove(os.path.join(output_dir, AVERAGING_INFO_NAME))  # left by an earlier run: no longer true
-
-    def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
-        """Upstream's model card, tagged ``nlp-tricks``, with a section naming the tricks of the run and which
-        weights were saved (the EMA's, a checkpoint average)."""
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        super().create_model_card(*args, tags=[*tags, "nlp-tricks"], **kwargs)
-        path = os.path.join(self.args.output_dir, "README.md")
-        if not self.is_world_process_zero() or not os.path.isfile(path):
-            return
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(tricks_section(self.tricks, self.call_tricks("saved_weights_info")))
 
 
 def _fresh_copy(trick: Trick) -> Trick:

@@ -338,11 +338,7 @@ def causal_scheduled_sampling_forward(
             "LM's labels line up with its inputs; the loss shifts them)"
         )
     if draw is None and ratio < 1.0:
-        mask = causal_replacement_mask(labels, ratio, generator=generator, shift_labels=inputs.get("shift_labels"))
-        with torch.no_grad():
-            logits = _pass1_logits(model, inputs, mask)
-            draw = draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
-            del logits
+        draw = _causal_draw(model, inputs, labels, ratio, mode, temperature, generator)
     if draw is None:
         outputs = forward(**inputs)
     else:
@@ -351,6 +347,14 @@ def causal_scheduled_sampling_forward(
         rest = {key: value for key, value in inputs.items() if key != "input_ids"}
         outputs = forward(**rest, **mixed)
     return (outputs, draw) if return_draw else outputs
+
+
+def _causal_draw(model, inputs, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw:
+    """Which completion tokens pass 2 replaces, and by what: pass 1 teacher-forced under ``no_grad``, then the draw."""
+    mask = causal_replacement_mask(labels, ratio, generator=generator, shift_labels=inputs.get("shift_labels"))
+    with torch.no_grad():
+        logits = _pass1_logits(model, inputs, mask)
+        return draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
 
 
 def _pass1_logits(model: nn.Module, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,6 @@ def average_checkpoints(
     Returns:
         ``output_dir``.
     """
-    import transformers
-    from transformers import AutoConfig
-
     paths = [os.fspath(p) for p in paths]
     output_dir = os.fspath(output_dir)
     if not paths:
@@ -172,6 +169,23 @@ def average_checkpoints(
     if not os.path.isfile(os.path.join(config, "config.json")):
         raise FileNotFoundError(f"config={config!r}: no config.json there")
     check_same_model([config, *paths])
+    model = _model_of(config)
+    average_into(model, paths)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    for name in DESCRIPTION_FILES:  # copied beside the averaged model
+        source = os.path.join(config, name)
+        if os.path.isfile(source) and not os.path.exists(os.path.join(output_dir, name)):
+            shutil.copy2(source, os.path.join(output_dir, name))
+    write_averaging_info(output_dir, {"weights": "average", "checkpoints": paths})
+    return output_dir
+
+
+def _model_of(config: str) -> nn.Module:
+    """A model built from the ``config.json`` in folder ``config``, with the class its ``architectures`` names (one
+    that carries a CRF when the config says so), in the config's dtype."""
+    import transformers
+    from transformers import AutoConfig
+
     model_config = AutoConfig.from_pretrained(config)
     architectures = getattr(model_config, "architectures", None) or []
     model_cls = getattr(transformers, architectures[0].removesuffix(_CRF_SUFFIX), None) if architectures else None
@@ -190,14 +204,7 @@ def average_checkpoints(
         dtype = getattr(torch, dtype, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         model.to(dtype)
-    average_into(model, paths)
-    model.save_pretrained(output_dir, safe_serialization=True)
-    for name in DESCRIPTION_FILES:  # copied beside the averaged model
-        source = os.path.join(config, name)
-        if os.path.isfile(source) and not os.path.exists(os.path.join(output_dir, name)):
-            shutil.copy2(source, os.path.join(output_dir, name))
-    write_averaging_info(output_dir, {"weights": "average", "checkpoints": paths})
-    return output_dir
+    return model
 
 
 # What makes two checkpoints of the same shapes different models: averaging them would mix two label sets or tasks.

@@ -11,6 +11,7 @@ composed from. A check that involves two tricks goes in :func:`validate_argument
 
 from __future__ import annotations
 
+from ..runtime.saved_weights import tricks_section
 from ..trick import STEPS_INSIDE_BACKWARD, LossBatch, Trick, capability_problem
 from .adversarial import AdversarialTrick
 from .base import BuiltInTrick
@@ -80,18 +81,6 @@ def built_in_tricks(args, user_tricks=()) -> list[Trick]:
     :data:`BUILT_IN_TRICKS`' order, then the user's as given)."""
     tricks = [trick for cls in BUILT_IN_TRICKS if (trick := cls.from_args(args)) is not None]
     return sorted([*tricks, *user_tricks], key=lambda trick: trick.order)
-
-
-def tricks_section(tricks, saved_weights: dict | None) -> str:
-    """The model card's section on a run's tricks and, when a trick chose them, the saved weights."""
-    lines = ["", "## Tricks (nlp_tricks)", "", "Trained with `nlp_tricks.TricksTrainer` and these tricks:", ""]
-    lines += [f"- `{setting}`" for trick in tricks for setting in trick.summary()]
-    if saved_weights is not None:
-        what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
-        details = ", ".join(f"{k}: {v}" for k, v in saved_weights.items() if k != "weights")
-        kind = saved_weights["weights"]
-        lines += ["", f"The saved weights are {what.get(kind, kind)} ({details})."]
-    return "\n".join(lines) + "\n"
 
 
 def validate_arguments(args) -> None:
