@@ -588,6 +588,20 @@ class TricksTrainer(
             logits = type(logits)([first, *logits[1:]]) if isinstance(logits, (tuple, list)) else first
         return loss, logits, labels
 
+    def create_optimizer(self, model=None):
+        """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups (upstream's own optimizer
+        when no group rule is on and the method is not overridden, so checkpoints move between ``Trainer`` and
+        ``TricksTrainer`` both ways)."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None:
+            return self.optimizer
+        if self._upstream_groups_do(opt_model):
+            optimizer = super().create_optimizer(model)
+            self._optimizer_groups = self._group_signature(optimizer.param_groups)
+            return optimizer
+        self.optimizer = self._grouped_optimizer(opt_model)
+        return self.optimizer
+
     @holds_output_dir  # one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
         """Upstream ``train``; ``resume_from_checkpoint=True`` picks the newest COMPLETE ``checkpoint-N``, and the

@@ -20,7 +20,9 @@ logger = logging.getLogger("nlp_tricks.trainer")
 
 
 class OptimizerGroups:
-    """:meth:`create_optimizer` over :meth:`build_optimizer_groups` (see the module docstring)."""
+    """The groups and the optimizer TricksTrainer's ``create_optimizer`` builds (see the module docstring). The
+    upstream override itself stays on the trainer, so that a host trainer's ``super(TricksTrainer, self)`` reaches
+    its own."""
 
     def _group_rules(self, model: nn.Module) -> dict | None:
         """The group rules of this run (the tricks' ``param_group_options``: ``head_lr_scale`` / ``layer_decay``, a
@@ -50,22 +52,20 @@ class OptimizerGroups:
             group.pop("names")
         return groups
 
-    def create_optimizer(self, model=None):
-        """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups (upstream's own optimizer
-        when no group rule is on and the method is not overridden, so checkpoints move between ``Trainer`` and
+    def _upstream_groups_do(self, model: nn.Module) -> bool:
+        """Whether upstream's optimizer and groups are this run's: no group rule on and
+        :meth:`build_optimizer_groups` not overridden (then checkpoints move between ``Trainer`` and
         ``TricksTrainer`` both ways)."""
-        opt_model = self.model if model is None else model
-        if self.optimizer is not None:
-            return self.optimizer
         overridden = type(self).build_optimizer_groups is not OptimizerGroups.build_optimizer_groups
-        if not overridden and not self._legacy_groups and self._group_rules(opt_model) is None:
-            optimizer = super().create_optimizer(model)
-            self._optimizer_groups = self._group_signature(optimizer.param_groups)
-            return optimizer
+        return not overridden and not self._legacy_groups and self._group_rules(model) is None
+
+    def _grouped_optimizer(self, model: nn.Module):
+        """The optimizer ``--optim`` names over :meth:`build_optimizer_groups`' groups (refused, naming the rules,
+        for an optimizer that builds its own groups)."""
         if self.optimizer_cls_and_kwargs is not None:
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
         builds_own_groups = _upstream.is_optimizer_factory(optimizer_cls) or any(
             key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")
         )
@@ -75,11 +75,10 @@ class OptimizerGroups:
                 f"optim={self.args.optim!r} builds its own parameter groups, so the group rules of this run "
                 f"({', '.join(rules)}) cannot apply; turn them off or choose another optimizer"
             )
-        groups = self.build_optimizer_groups(opt_model)
+        groups = self.build_optimizer_groups(model)
         # Saved with each checkpoint: a resume whose settings would build other groups is refused, naming them.
         self._optimizer_groups = self._group_signature(groups)
-        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        return self.optimizer
+        return optimizer_cls(groups, **optimizer_kwargs)
 
     def _group_signature(self, groups: list[dict]) -> dict:
         settings = {name: getattr(self.args, name, None) for name in ("head_lr_scale", "layer_decay", "weight_decay")}
