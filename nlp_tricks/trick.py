@@ -359,7 +359,8 @@ class Trick(TrainerCallback):
         the doubled batch, labels included). What the trick adds is weighed by the micro-batch's share of the step's
         items (``trainer.loss_context.share``), so a per-item term stays exact under gradient accumulation and DDP, a
         constant added on the clean pass of every micro-batch counts once per step, and a trick that returns ``loss``
-        unchanged leaves it bitwise unchanged.
+        unchanged leaves it bitwise unchanged. The training logs show ``loss_raw``, the loss before these terms,
+        beside ``loss``.
         """
         return loss
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models import unwrap_model
 from .outputs import output_logits
 
 __all__ = [
@@ -383,9 +384,8 @@ def _takes_boolean_logits_to_keep(model: nn.Module) -> bool:
     """Whether ``model``'s forward slices its hidden states with transformers' ``slice_logits_to_keep`` (which takes a
     boolean ``(B, L)`` mask and returns the kept rows flattened)."""
     from transformers import modeling_utils
-    from transformers.trainer_utils import unwrap_peft_model
 
-    base = unwrap_peft_model(model)
+    base = unwrap_model(model, peft=True)
     helper = getattr(modeling_utils, "slice_logits_to_keep", None)
     forward = type(base).forward
     if helper is None or type(model) in _FULL_LOGITS:

@@ -26,9 +26,9 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 from transformers.trainer_pt_utils import get_parameter_names
-from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import layer_ids
+from ..functional.models import unwrap_model
 
 __all__ = [
     "build_param_groups",
@@ -135,7 +135,8 @@ class _GroupRates:
     rules (its arguments of the same names)."""
 
     def __init__(self, model: nn.Module, head_lr_scale, layer_decay, module_lr_scales, lr_scales):
-        inner = unwrap_peft_model(model)  # PEFT: the transformers model inside, whose base_model separates the head
+        # PEFT: the transformers model inside, whose base_model separates the head.
+        inner = unwrap_model(model, peft=True)
         self.inner_ids = {id(p) for p in inner.parameters()}
         base = getattr(inner, "base_model", inner)
         self.head_ids = head_parameter_ids(inner)

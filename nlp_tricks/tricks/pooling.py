@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import seeded
+from ..functional.models import unwrap_model
 from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
 from .base import BuiltInTrick
 
@@ -54,7 +54,7 @@ class PoolingTrick(BuiltInTrick):
         return [f"pooling={self.args.pooling}"]
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
-        inner = unwrap_peft_model(model)
+        inner = unwrap_model(model, peft=True)
         if inner is not model and not isinstance(getattr(inner, "pooling", None), Pooling):
             raise ValueError(
                 f"pooling={self.args.pooling!r} cannot be added to a PEFT model after wrapping: call "
