@@ -132,3 +132,20 @@ def test_tricks_config_is_the_registrys_arguments_in_its_order():
     groups = [cls.arguments for cls in _built_in_tricks() if cls.in_tricks_config] + [RunSafetyArguments]
     expected = [f.name for group in groups for f in dataclasses.fields(group)]
     assert [f.name for f in dataclasses.fields(TricksConfig)] == expected
+
+
+# The built-ins' names before the <Flag>Trick scheme (docs and user code import them): the same classes.
+OLD_NAMES = {
+    "tie_encoder_decoder": "TieEncoderDecoder", "pooling": "PoolingHead", "reinit_layers": "ReinitLayers",
+    "scheduled_sampling": "ScheduledSampling", "crf": "CRFHead", "head_dropout": "MultiSampleDropoutHead",
+    "rdrop": "RDrop", "smart": "SmoothnessRegularization", "distillation": "Distillation", "loss_type": "LossFunction",
+    "adversarial": "Adversarial", "sam": "SharpnessAwareMinimization", "ema": "ExponentialMovingAverage",
+    "swa": "CheckpointAveraging", "freeze_layers": "LayerFreezing", "layer_decay": "LayerwiseLearningRates",
+    "loraplus": "LoraPlus",
+}  # fmt: skip
+
+
+def test_the_old_names_of_the_built_ins_are_the_same_classes():
+    by_file = {cls.__module__.rsplit(".", 1)[1]: cls for cls in _built_in_tricks()}
+    for stem, old in OLD_NAMES.items():
+        assert getattr(importlib.import_module(f"nlp_tricks.tricks.{stem}"), old) is by_file[stem], old

@@ -24,7 +24,7 @@ from ..functional.models import unwrap_model
 from ..runtime import upstream as _upstream
 from .base import BuiltInTrick
 
-__all__ = ["AdversarialTrick", "AdversarialArguments", "ADVERSARIAL_METHODS", "ADV_NORMS"]
+__all__ = ["AdversarialTrick", "Adversarial", "AdversarialArguments", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
 ADVERSARIAL_METHODS = ("none", "fgm", "pgd", "awp", "freelb")
 
@@ -255,3 +255,6 @@ class AdversarialTrick(BuiltInTrick):
                     target=args.adv_target,
                 )
         return self.attacker
+
+
+Adversarial = AdversarialTrick  # its name before the built-ins were named <Flag>Trick

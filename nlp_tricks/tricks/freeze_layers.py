@@ -17,7 +17,7 @@ from .reinit_layers import check_count
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["FreezeLayersTrick", "FreezeArguments"]
+__all__ = ["FreezeLayersTrick", "LayerFreezing", "FreezeArguments"]
 
 
 @dataclass
@@ -142,3 +142,6 @@ class FreezeLayersTrick(BuiltInTrick):
     def on_step_end(self, args, state, control, **kwargs):
         if self.args.unfreeze_at_step is not None and state.global_step == self.args.unfreeze_at_step:
             unfreeze(self.frozen)
+
+
+LayerFreezing = FreezeLayersTrick  # its name before the built-ins were named <Flag>Trick

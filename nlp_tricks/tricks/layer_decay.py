@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .base import BuiltInTrick
 
-__all__ = ["LayerDecayTrick", "ParamGroupArguments"]
+__all__ = ["LayerDecayTrick", "LayerwiseLearningRates", "ParamGroupArguments"]
 
 
 @dataclass
@@ -54,3 +54,6 @@ class LayerDecayTrick(BuiltInTrick):
 
     def param_group_options(self, trainer, model) -> dict:
         return {"head_lr_scale": self.args.head_lr_scale, "layer_decay": self.args.layer_decay}
+
+
+LayerwiseLearningRates = LayerDecayTrick  # its name before the built-ins were named <Flag>Trick

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from .base import BuiltInTrick
 
-__all__ = ["LoraPlusTrick", "LoraPlusArguments"]
+__all__ = ["LoraPlusTrick", "LoraPlus", "LoraPlusArguments"]
 
 # PEFT's rule: the B matrices ("lora_B" in the name, their biases too) and every other trainable 1-D parameter (DoRA's
 # magnitude vectors, biases) at ratio x lr; the embedding adapters (lora.Embedding's A and B) at their own lr.
@@ -95,3 +95,6 @@ class LoraPlusTrick(BuiltInTrick):
 
 def _trainable(model) -> list:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+LoraPlus = LoraPlusTrick  # its name before the built-ins were named <Flag>Trick

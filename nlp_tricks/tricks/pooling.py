@@ -12,7 +12,7 @@ from ..functional.models import unwrap_model
 from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
 from .base import BuiltInTrick
 
-__all__ = ["PoolingTrick", "PoolingArguments"]
+__all__ = ["PoolingTrick", "PoolingHead", "PoolingArguments"]
 
 
 @dataclass
@@ -64,3 +64,6 @@ class PoolingTrick(BuiltInTrick):
         param = next(inner.parameters(), None)
         with seeded(self.args.seed, param.device if param is not None else None):
             add_pooling(inner, self.args.pooling)
+
+
+PoolingHead = PoolingTrick  # its name before the built-ins were named <Flag>Trick

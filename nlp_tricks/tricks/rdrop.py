@@ -12,7 +12,7 @@ from ..functional.models import unwrap_model
 from ..trick import LossBatch
 from .base import BuiltInTrick
 
-__all__ = ["RDropTrick", "RDropArguments"]
+__all__ = ["RDropTrick", "RDrop", "RDropArguments"]
 
 
 @dataclass
@@ -103,3 +103,6 @@ class RDropTrick(BuiltInTrick):
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
         trainer.record_loss_term("loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl
+
+
+RDrop = RDropTrick  # its name before the built-ins were named <Flag>Trick

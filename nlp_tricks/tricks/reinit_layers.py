@@ -11,7 +11,7 @@ from torch import nn
 from ..functional.layers import reinit_top_layers, seeded
 from .base import BuiltInTrick
 
-__all__ = ["ReinitLayersTrick", "ReinitArguments", "check_count"]
+__all__ = ["ReinitLayersTrick", "ReinitLayers", "ReinitArguments", "check_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +62,6 @@ class ReinitLayersTrick(BuiltInTrick):
         with seeded(self.args.seed, param.device if param is not None else None):
             self.reinitialised = reinit_top_layers(model, self.args.reinit_layers)
         logger.info(f"reinit_layers={self.args.reinit_layers}: re-initialised {', '.join(self.reinitialised)}")
+
+
+ReinitLayers = ReinitLayersTrick  # its name before the built-ins were named <Flag>Trick

@@ -11,7 +11,7 @@ from ..functional.models import unwrap_model
 from ..functional.sam import SAM, validate_sam
 from .base import BuiltInTrick
 
-__all__ = ["SAMTrick", "SAMArguments"]
+__all__ = ["SAMTrick", "SharpnessAwareMinimization", "SAMArguments"]
 
 
 @dataclass
@@ -127,3 +127,6 @@ def _replay(step):
         return loss.detach()
 
     return run
+
+
+SharpnessAwareMinimization = SAMTrick  # its name before the built-ins were named <Flag>Trick

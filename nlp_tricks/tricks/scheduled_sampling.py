@@ -20,7 +20,7 @@ from ..functional.scheduled_sampling import (
 )
 from .base import BuiltInTrick
 
-__all__ = ["ScheduledSamplingTrick", "ScheduledSamplingArguments"]
+__all__ = ["ScheduledSamplingTrick", "ScheduledSampling", "ScheduledSamplingArguments"]
 
 
 @dataclass
@@ -159,3 +159,6 @@ class ScheduledSamplingTrick(BuiltInTrick):
 
 
 __all__ += ["MODES", "SCHEDULES"]
+
+
+ScheduledSampling = ScheduledSamplingTrick  # its name before the built-ins were named <Flag>Trick

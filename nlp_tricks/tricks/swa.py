@@ -13,7 +13,7 @@ from ..functional.models import unwrap_model
 from ..runtime.averaging import average_into, last_complete_checkpoints
 from .base import BuiltInTrick
 
-__all__ = ["SWATrick", "SWAArguments"]
+__all__ = ["SWATrick", "CheckpointAveraging", "SWAArguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,3 +99,6 @@ class SWATrick(BuiltInTrick):
         average_into(trainer.model, paths)
         self.checkpoints = paths
         logger.info(f"swa_last_k: the model now holds the average of {', '.join(paths)}")
+
+
+CheckpointAveraging = SWATrick  # its name before the built-ins were named <Flag>Trick
