@@ -74,4 +74,6 @@ def test_the_callbacks_are_upstreams_then_the_tricks_preemption_and_the_guard(ji
     assert [type(c).__name__ for c in ours[: len(upstream)]] == upstream
     added = ours[len(upstream) :]
     assert isinstance(added[-2], PreemptionCallback) and isinstance(added[-1], DivergenceGuard)
-    assert all(isinstance(callback, Trick) for callback in added[:-2])
+    # The state store's restorer: the tricks' checkpointed state, restored after every trick's on_train_begin.
+    assert type(added[-3]).__name__ == "_RestoreAfterTrainBegin"
+    assert all(isinstance(callback, Trick) for callback in added[:-3])
