@@ -235,3 +235,16 @@ def test_a_label_token_step_costs_the_memory_of_a_classification_heads_step():
     ratio = peak(label_token) / peak(head)
     assert ratio <= 1.1, ratio
     assert on_full_logits > 5 * peak(label_token)
+
+
+@pytest.mark.slow  # four fresh processes for the memory column
+def test_llm_classifier_benchmark_quick_json():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "llm_classifier.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert rows["SmolLM2-135M + LoRA, label-token head"]["tensor_vs_head"] <= 1.1
+    assert rows["SmolLM2-135M + LoRA, label tokens from the full logits"]["tensor_vs_head"] > 2
+    assert all(r["step_s"] > 0 and r["predict_sorted_s"] > 0 for r in rows.values())
