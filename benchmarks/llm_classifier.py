@@ -13,12 +13,12 @@ row scores the same label tokens from the model's own full logits (``lm(...).log
 vocabulary)`` tensor), the path the label-token head avoids.
 
 - Time: this process's CPU time with one torch thread (other jobs on the machine barely change it); the median over
-  interleaved rounds (``_timing.py``). Prediction: every test text once in batches of 16, sorted by length (the
-  recipe's order) and in file order.
-- Memory, two measures of the steady-state step (after one warm-up step, so AdamW's state exists): ``tensor MiB``,
-  the peak bytes of the torch tensors the step allocates (``_memory.py``: every operator's new storages, forward and
-  backward, until freed; the same from run to run), and ``RSS MiB``, the process's peak resident memory during the
-  step above the memory before it, each case in a fresh process (Linux: VmHWM reset through /proc/self/clear_refs).
+  interleaved rounds (``_timing.py``). Prediction: every test text once, in batches of 16 sorted by length (the
+  recipe's order).
+- Memory, each case in a fresh process once its model is built: ``tensor MiB``, the peak bytes of the torch tensors
+  the second step allocates (``_memory.py``: every operator's new storages, forward and backward, until freed; the
+  same from run to run), and ``RSS MiB``, the process's peak resident memory over two steps above the memory before
+  them (the first step also allocates AdamW's state; Linux: VmHWM reset through /proc/self/clear_refs).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def demo_batches(case: str, batch_size: int, test_size: int, length: int):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from nlp_tricks.data import demo_classification
+    from nlp_tricks.data.prompts import default_prompt_template
 
     import classification
     from classification_heads import ClassificationModelArguments, load_label_token_classifier
@@ -70,19 +71,20 @@ def demo_batches(case: str, batch_size: int, test_size: int, length: int):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(LABELS))
         prompt = None
     else:
-        args = ClassificationModelArguments(model_name_or_path="smollm2-demo", head="label_token")
-        classifier, tokenizer, prompt = load_label_token_classifier(args, LABELS, pairs=False)
+        path = resolve_model_path("smollm2-demo")
         lora = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
         if case == HEAD:
-            config = classifier.config
-            config.pad_token_id = tokenizer.pad_token_id  # where the classification head finds each row's end
-            path = resolve_model_path("smollm2-demo")
-            model = AutoModelForSequenceClassification.from_pretrained(path, config=config)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            prompt = default_prompt_template(tokenizer, LABELS)  # the label-token head's prompts: the same batch
+            # pad_token_id: where the classification head finds each row's last token.
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=len(LABELS), pad_token_id=tokenizer.pad_token_id
+            )
             model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", **lora))
-        elif case == LABEL_TOKEN:
-            model = get_peft_model(classifier, LoraConfig(**lora))
         else:
-            model = get_peft_model(classifier.causal_lm, LoraConfig(**lora))
+            args = ClassificationModelArguments(model_name_or_path="smollm2-demo", head="label_token")
+            classifier, tokenizer, prompt = load_label_token_classifier(args, LABELS, pairs=False)
+            model = get_peft_model(classifier if case == LABEL_TOKEN else classifier.causal_lm, LoraConfig(**lora))
     examples = rows[: batch_size + test_size]
     dataset, _ = classification.tokenize_and_count(examples, tokenizer, label2id, length, prompt=prompt)
     features = [dict(row) for row in dataset]
@@ -150,7 +152,7 @@ def collate(features: list[dict], pad_id: int = 0) -> dict:
 
 
 def build(case: str, quick: bool, batch_size: int, test_size: int, length: int):
-    """``(step, predict_sorted, predict_in_order)`` for one case."""
+    """``(step, predict)`` for one case."""
     model, tokenizer, train, test, logits_of = (quick_batches if quick else demo_batches)(
         case, batch_size, test_size, length
     )
@@ -175,20 +177,21 @@ def build(case: str, quick: bool, batch_size: int, test_size: int, length: int):
                 rows.pop("labels")
                 logits_of(model(**rows), rows)
 
-    by_length = sorted(range(len(test)), key=lambda i: -len(test[i]["input_ids"]))
-    return step, (lambda: predict(by_length)), (lambda: predict(list(range(len(test)))))
+    by_length = sorted(range(len(test)), key=lambda i: -len(test[i]["input_ids"]))  # the recipe's order
+    return step, lambda: predict(by_length)
 
 
 def memory_of(case: str, quick: bool, shape: tuple[int, int, int]) -> dict:
-    """In a fresh process: the steady-state step's peak tensor bytes and peak RSS above its start, in MiB."""
-    step, _, _ = build(case, quick, *shape)
-    step()  # warm-up: AdamW's state, the allocator's first growth
+    """In a fresh process, once the model is built: the peak tensor bytes of the second (steady-state) step, and the
+    peak resident memory of both steps above the memory before them, in MiB."""
+    step, _ = build(case, quick, *shape)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak (VmHWM) to the current resident size
     except OSError:
         pass
     before = _rss_bytes()
+    step()  # the first step also allocates AdamW's state
     with PeakTensorBytes() as meter:
         step()
     return {"tensor_mib": meter.peak / 2**20, "rss_mib": (_peak_rss_bytes() - before) / 2**20}
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    shape = (8, 16, 64) if args.quick else (8, 64, 256)  # train batch, test texts, tokens
+    shape = (8, 16, 64) if args.quick else (8, 32, 256)  # train batch, test texts, tokens
     if args.memory_of:
         print(json.dumps(memory_of(args.memory_of, args.quick, shape)))
         return 0
@@ -215,15 +218,14 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     built = {case: build(case, args.quick, *shape) for case in CASES}
     runs = {}
-    for i, name in enumerate(("step", "predict sorted", "predict in order")):
+    for i, name in enumerate(("step", "predict")):
         runs.update({(case, name): parts[i] for case, parts in built.items()})
     times = time_interleaved(runs, repeats, time.process_time)
     rows = [
         {
             "case": case,
             "step_s": statistics.median(times[(case, "step")]),
-            "predict_sorted_s": statistics.median(times[(case, "predict sorted")]),
-            "predict_in_order_s": statistics.median(times[(case, "predict in order")]),
+            "predict_s": statistics.median(times[(case, "predict")]),
             **memory[case],
             "tensor_vs_head": memory[case]["tensor_mib"] / memory[HEAD]["tensor_mib"],
         }
@@ -237,14 +239,12 @@ def main(argv=None) -> int:
         f"{'tiny models from config' if args.quick else 'demo models, BBC texts'}: step on {batch} texts, prediction "
         f"of {test}, {length} tokens; torch {torch.__version__}, 1 thread, CPU time, median of {repeats} rounds"
     )
-    print(
-        "| case | s / step | step tensor MiB | vs classification head | step RSS MiB | predict s: sorted, file order |"
-    )
+    print("| case | s / step | step tensor MiB | vs classification head | step RSS MiB | predict s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['case']} | {r['step_s']:.2f} | {r['tensor_mib']:.1f} | {r['tensor_vs_head']:.2f}x | "
-            f"{r['rss_mib']:.0f} | {r['predict_sorted_s']:.2f}, {r['predict_in_order_s']:.2f} |"
+            f"{r['rss_mib']:.0f} | {r['predict_s']:.2f} |"
         )
     return 0
 
