@@ -118,7 +118,6 @@ RECIPE_DEFAULTS = {
     "weight_decay": 0.01,
     "head_lr_scale": 10.0,
     "eval_strategy": "epoch",
-    "logging_steps": 50,
     "save_strategy": "no",
 }
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).

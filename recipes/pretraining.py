@@ -90,7 +90,6 @@ RECIPE_DEFAULTS = {
     # 7.31 at 1x). Set 1 for a model whose MLM head is trained.
     "head_lr_scale": 10.0,
     "warmup_steps": 0.06,
-    "logging_steps": 25,
     "eval_strategy": "no",
     "save_strategy": "no",
 }

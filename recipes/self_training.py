@@ -38,6 +38,8 @@ Features:
 from __future__ import annotations
 
 import copy
+import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +55,12 @@ from nlp_tricks.self_training import PseudoLabels, TeacherLogitsCollator, predic
 
 from classification import CLASSIFICATION_TASK, ClassificationDataArguments
 from common import (
+    DataArguments,
     ModelArguments,
     check_label_arguments,
     exit_if_preempted,
     is_main_process,
+    print_summary,
     resolve_model_path,
     run_recipe,
     start_recipe,
@@ -74,7 +78,6 @@ RECIPE_DEFAULTS = {
     "weight_decay": 0.01,
     "head_lr_scale": 10.0,
     "eval_strategy": "no",
-    "logging_steps": 50,
     "save_strategy": "no",
 }
 
@@ -460,6 +463,14 @@ def main() -> None:
         }
         write_json_atomic(out / "self_training_results.json", results)
         print(format_table(task, rounds), flush=True)
+        print_summary(
+            rounds[-1]["student"],  # the headline: the last round's student, the model a user takes
+            out,
+            model_dir=out / f"round_{len(rounds)}" / "student",
+            metrics_file="self_training_results.json",
+            predict_script=str(Path(sys.argv[0]).with_name(f"{data_args.task}.py")),
+            predict_data_flags={f.name for f in dataclasses.fields(DataArguments)},
+        )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,6 @@ RECIPE_DEFAULTS = {
     "per_device_eval_batch_size": 16,
     "weight_decay": 0.01,
     "eval_strategy": "epoch",
-    "logging_steps": 10,
     "save_strategy": "no",
     "predict_with_generate": True,
     "generation_num_beams": 1,

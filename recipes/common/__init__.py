@@ -11,8 +11,11 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 - ``data``: splits from files, the demo or the Hub; labels; the tokenizing map's options.
 - ``models``: the model to start from, its config, tokenizer and weights; a saved CRF kept.
 - ``outputs``: the output folder (an earlier run's results refused or removed) and atomic JSON.
-- ``run``: running a recipe (threads, one-line data errors) and the end of a run (train, evaluate, predict,
+- ``threads``: the torch threads of a CPU run (the cores free at start, unless the user chose).
+- ``run``: running a recipe (its threads, one-line data errors) and the end of a run (train, evaluate, predict,
   ``all_results.json``, the exit of a preempted run).
+- ``summary``: the lines a person reads at the end of a run (headline scores, where the files are, the commands
+  that predict and plot).
 - ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
 """
 
@@ -42,8 +45,10 @@ from .models import (
 from .outputs import RESULT_OUTPUTS, RUN_OUTPUTS, prepare_output_dir, write_json_atomic
 from .parsing import parse_recipe_args
 from .process import is_main_process, logger, warn
-from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict, use_every_core
+from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict
 from .start import start_recipe
+from .summary import print_summary, summary_lines
+from .threads import choose_threads, has_accelerator
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -54,11 +59,13 @@ __all__ = [
     "ModelArguments",
     "RunArguments",
     "check_label_arguments",
+    "choose_threads",
     "check_saved_crf",
     "check_split_labels",
     "data_record",
     "eval_splits",
     "exit_if_preempted",
+    "has_accelerator",
     "is_main_process",
     "labelled_splits",
     "labels_of",
@@ -72,14 +79,15 @@ __all__ = [
     "own_rows",
     "parse_recipe_args",
     "prepare_output_dir",
+    "print_summary",
     "refusals_of_the_model",
     "resolve_model_path",
     "resume_argument",
     "run_recipe",
     "saved_crf_defaults",
     "start_recipe",
+    "summary_lines",
     "train_evaluate_predict",
-    "use_every_core",
     "warn",
     "write_json_atomic",
 ]
