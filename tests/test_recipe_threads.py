@@ -75,19 +75,11 @@ def fake_launcher(monkeypatch):
         proc.wait()
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @LINUX
 @pytest.mark.parametrize("busy", [0.0, 5.0])
 @pytest.mark.parametrize("launcher_omp", ["1", "2"])  # accelerate's 1, or the physical cores with use_cpu
 def test_under_accelerate_launch_the_free_cores_are_used(
-    fake_launcher, restore_threads, monkeypatch, capsys, busy, launcher_omp
+    fake_launcher, one_thread, monkeypatch, capsys, busy, launcher_omp
 ):
     fake_launcher({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, [], omp=launcher_omp)
     monkeypatch.setattr(threads, "busy_cores", lambda cores: (busy, "load reading"))
@@ -110,7 +102,7 @@ def test_under_accelerate_launch_the_free_cores_are_used(
     ],
 )
 def test_the_users_choice_at_launch_wins(
-    fake_launcher, restore_threads, monkeypatch, capsys, launcher_env, launcher_args, said
+    fake_launcher, one_thread, monkeypatch, capsys, launcher_env, launcher_args, said
 ):
     fake_launcher({k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | launcher_env, launcher_args)
     monkeypatch.setattr(threads, "busy_cores", lambda cores: pytest.fail("the user chose: nothing to measure"))
@@ -119,7 +111,7 @@ def test_the_users_choice_at_launch_wins(
     assert capsys.readouterr().err.strip() == f"torch threads: 1 ({said})"
 
 
-def test_without_a_launcher_the_environment_is_the_users(restore_threads, monkeypatch, capsys):
+def test_without_a_launcher_the_environment_is_the_users(one_thread, monkeypatch, capsys):
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(threads, "has_accelerator", lambda: False)
@@ -133,7 +125,7 @@ def test_without_a_launcher_the_environment_is_the_users(restore_threads, monkey
     assert threads.choose_threads() == 1
 
 
-def test_gpu_runs_and_launched_jobs_are_left_alone(restore_threads, monkeypatch, capsys):
+def test_gpu_runs_and_launched_jobs_are_left_alone(one_thread, monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "busy_cores", lambda cores: pytest.fail("nothing to choose"))
     monkeypatch.setenv("WORLD_SIZE", "2")
