@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nlp_tricks.data import DataError
+from nlp_tricks.model_card import write_model_card
 from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
 from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
 from nlp_tricks.runtime.lock import OutputDirBusyError
@@ -98,6 +99,8 @@ def _train(trainer, train_dataset) -> dict:
     train_result = trainer.train(resume_from_checkpoint=resume)
     exit_if_preempted(trainer)
     trainer.save_model()
+    if trainer.is_world_process_zero():  # a CRF, span head or pooling: how to load it so that it predicts as evaluated
+        write_model_card(args.output_dir, trainer.model.config)
     trainer.save_state()
     results = dict(train_result.metrics)
     if hasattr(train_dataset, "__len__"):  # a stream (pretraining's --streaming) has no length
