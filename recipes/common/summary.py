@@ -50,8 +50,8 @@ def launch_command(script: str | None = None) -> list[str]:
     if started is not None:
         command = started[1]
         start = launch_index(command) + 1
-        end = command.index(this, start) if this in command[start:] else len(command)
-        return ["accelerate", "launch", *command[start:end], script]
+        options = command[start : command.index(this, start)] if this in command[start:] else []
+        return ["accelerate", "launch", *options, script]
     return ["python", script]
 
 
