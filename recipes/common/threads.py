@@ -25,7 +25,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 def choose_threads() -> int | None:
     """Set torch's thread count for a single CPU process from the cores free now, and say so in one line on stderr;
-    the count set, or ``None`` where it was left as it was.
+    the count set, or ``None`` where it was left as it was (silently).
 
     Left alone: a GPU run, a launched job of several processes (the launcher shares the cores out), and a count the
     user chose: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in the environment they started the run from, or
@@ -35,9 +35,7 @@ def choose_threads() -> int | None:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or has_accelerator():
         return None
-    chosen = user_choice()
-    if chosen is not None:
-        _say(f"torch threads: {torch.get_num_threads()} ({chosen})")
+    if user_choice() is not None:  # the user's count, as they set it: nothing to say
         return None
     cores = usable_cores()
     busy, how = busy_cores(cores)
