@@ -31,6 +31,9 @@ def test_eval_steps_of_a_steps_strategy_are_not_the_logging_share():
     assert parse("--eval_strategy", "steps").eval_steps == parsing.EVAL_SHARE == 0.1
     assert parse("--eval_strategy", "steps", "--eval_steps", "3").eval_steps == 3
     assert parse("--eval_strategy", "steps", "--logging_steps", "4").eval_steps == 4  # upstream's rule, as given
+    # Keeping the best model saves at evaluations, which a share would not divide: an evaluation at every save.
+    best = ("--eval_strategy", "steps", "--save_strategy", "steps", "--load_best_model_at_end", "true")
+    assert parse(*best).eval_steps == 500 and parse(*best, "--save_steps", "30").eval_steps == 30
 
 
 @pytest.mark.parametrize("accelerator", [False, True])

@@ -68,7 +68,9 @@ def parse_recipe_args(
     given = set(from_file) | flags_given(parser, argv)
     apply_dependent_defaults(namespace, dependent_defaults, given)
     if getattr(namespace, "eval_steps", 0) is None and "logging_steps" not in given:
-        namespace.eval_steps = EVAL_SHARE
+        # --load_best_model_at_end saves at evaluations: a share cannot be kept a divisor of whole save steps.
+        whole_saves = namespace.load_best_model_at_end and namespace.save_steps >= 1
+        namespace.eval_steps = namespace.save_steps if whole_saves else EVAL_SHARE
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:
