@@ -64,6 +64,7 @@ from common import (
     resolve_model_path,
     run_recipe,
     start_recipe,
+    user_tricks,
     write_json_atomic,
 )
 from ner import NER_TASK, NerDataArguments
@@ -131,18 +132,16 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     """Where the labelled, unlabelled and evaluation data come from: the NER and classification recipes' data
     arguments (each task reads its own), plus the unlabelled data."""
 
-    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
+    FLAG_HELP = {
+        "dataset_name": (
+            "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
             "--train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines."},
-    )
+        ),
+        "train_file": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines.",
+        "split_seed": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction.",
+    }
+
+    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
     unlabeled_file: str | None = field(
         default=None,
         metadata={
@@ -159,9 +158,6 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     )
     max_unlabeled_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N unlabelled examples."}
-    )
-    split_seed: int = field(
-        default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction."}
     )
 
     def __post_init__(self):
@@ -278,6 +274,7 @@ def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, 
         processing_class=tokenizer,
         data_collator=TeacherLogitsCollator(task.collator(tokenizer), tokenizer.padding_side),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        tricks=user_tricks(args),
     )
     train_result = trainer.train()
     exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---
