@@ -10,6 +10,7 @@ from .arguments import DataArguments, ModelArguments
 from .models import check_saved_crf, saved_crf_defaults
 from .outputs import prepare_output_dir
 from .parsing import parse_recipe_args
+from .peft import check_peft_tricks
 from .run import resume_argument
 
 
@@ -57,6 +58,7 @@ def start_recipe(
     )
     if saved_crf_models:
         check_saved_crf(training_args, model_args)
+    check_peft_tricks(model_args, training_args)
     set_seed(training_args.seed)
     prepare_output_dir(
         training_args.output_dir,
