@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import (
@@ -75,6 +75,7 @@ from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels,
 from common import (
     DataArguments,
     ModelArguments,
+    build_trainer,
     check_label_arguments,
     data_record,
     labelled_splits,
@@ -82,7 +83,6 @@ from common import (
     load_splits,
     map_options,
     own_rows,
-    refusals_of_the_model,
     run_recipe,
     start_recipe,
     train_evaluate_predict,
@@ -552,58 +552,47 @@ def main() -> None:
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
         splits, labels, train_examples, eval_examples = read_data(data_args)
     check_label_arguments(training_args, labels)
-    id2label = dict(enumerate(labels))
 
     # ---- Model ----
     model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, None, training_args)
-    multi_label = data_args.multi_label
-    if multi_label:
+    if data_args.multi_label:
         model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_datasets, truncation = tokenize_data(
             data_args, tokenizer, labels, train_examples, eval_examples
         )
-
-    if multi_label:
-        predict = predict_labels(data_args.threshold)
-        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
-    else:
-        predict = lambda logits, labels: logits.argmax(dim=-1)  # noqa: E731
-        split_metrics = {
-            split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
-        }
-
-    if "validation" not in eval_datasets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_datasets.get("validation"),
-            processing_class=tokenizer,
-            data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-            compute_metrics=split_metrics.get("validation"),
-            preprocess_logits_for_metrics=predict,
-        )
-
-    # ---- Train, evaluate, predict; all_results.json last ----
-    output_dir = Path(training_args.output_dir)
-    record = {**data_record(splits, labels), **truncation}
-    train_evaluate_predict(
-        trainer,
+    predict, split_metrics = _setup_metrics(data_args, labels, eval_datasets)
+    trainer = build_trainer(
+        TricksTrainer,
+        training_args,
         train_dataset,
         eval_datasets,
-        lambda output: write_predictions(
-            output_dir / "test_predictions.csv",
-            eval_examples["test"],
-            output.predictions,
-            id2label,
-            data_args.label_delimiter,
-        ),
-        split_metrics,
-        record,
+        model=model,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+        compute_metrics=split_metrics.get("validation"),
+        preprocess_logits_for_metrics=predict,
     )
+
+    # ---- Train, evaluate, predict; all_results.json last ----
+    def write_test_predictions(output):
+        path, id2label = Path(training_args.output_dir) / "test_predictions.csv", dict(enumerate(labels))
+        write_predictions(path, eval_examples["test"], output.predictions, id2label, data_args.label_delimiter)
+
+    record = {**data_record(splits, labels), **truncation}
+    train_evaluate_predict(trainer, train_dataset, eval_datasets, write_test_predictions, split_metrics, record)
+
+
+def _setup_metrics(data_args: ClassificationDataArguments, labels: list[str], eval_datasets: dict):
+    """``(preprocess_logits_for_metrics, {split: compute_metrics})``: the predicted label ids (multi-label: every
+    label over ``--threshold``) and their scores."""
+    if data_args.multi_label:
+        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
+        return predict_labels(data_args.threshold), split_metrics
+    split_metrics = {
+        split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
+    }
+    return (lambda logits, labels: logits.argmax(dim=-1)), split_metrics
 
 
 if __name__ == "__main__":

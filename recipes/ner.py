@@ -21,23 +21,30 @@ Features:
   (``{"tokens": [...], "ner_tags": [...]}``, tags as strings or integer ids named by ``--tag_names``); or the
   built-in ``demo`` (WNUT-16, 2,394 tweets, 10 entity types; ``pip install "nlp-tricks[demo]"``). Data with only a
   training split is split 80/10/10 with ``--split_seed``.
-- Labels come from the training data (or ``--tag_names``, in id order); a tag in validation / test that training
-  never saw is an error naming its file and line, as is a token without a tag, a token holding a space, a tag-first
-  file, IOB tags mixed with words, an empty file, a JSON record without a field or with tokens and tags of different
-  lengths, and a file that is not UTF-8. Such errors print one line on stderr and exit with status 1.
+- Tag schemes: IOB2, IOB1, BIOES (IOBES), BMES and BILOU, ``--tag_scheme auto`` (detected from the training file's
+  prefixes, said in one line) or named (a tag the scheme does not have is a ``file:line`` error). One rule reads
+  the entities of every scheme (conlleval's lenient reading: an ``I-`` / ``M-`` / ``E-`` with no open entity of
+  its type starts one); the model trains on their IOB2 tags, so one corpus in any scheme trains alike and
+  ``--crf_bio_constraints`` always fits; predictions are written back in the file's scheme (docs/recipes.md, "NER
+  tag schemes").
+- Labels are the IOB2 tags of the training entities (or ``--tag_names``, in id order); a tag in validation / test
+  whose IOB2 tag training never has is an error naming its file and line, as is a token without a tag, a token
+  holding a space, a tag-first file, IOB tags mixed with words, an empty file, a JSON record without a field or
+  with tokens and tags of different lengths, and a file that is not UTF-8. Such errors print one line on stderr and
+  exit with status 1.
 - The tag of a word goes on its first sub-token (-100 on the rest); ``--label_all_tokens`` labels every training
-  sub-token with tags that keep the word's scheme (``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``).
+  sub-token (``B-X I-X ...``).
 - Scoring covers every word of every sentence: a word's prediction is its first sub-token's, and a word cut by
   ``--max_seq_length`` or without any sub-token counts as predicted ``O`` (a warning says how many).
-- Metrics: entity-level precision / recall / F1 with seqeval's semantics, overall (micro average) and per entity
-  type, from the ``evaluate`` module shipped in ``nlp_tricks/metrics/seqeval_f1`` (works offline).
+- Metrics: exact entity-span precision / recall / F1, overall (micro average) and per entity type, and word
+  accuracy of the tags as written (``nlp_tricks.metrics.spans.tag_f1``; seqeval's numbers on IOB2 and BIOES).
 - Tricks: every ``TricksArguments`` field is a flag (``--loss_type focal``, ``--layer_decay 0.9``,
   ``--head_lr_scale 10``, ...), next to every ``TrainingArguments`` flag.
 - ``--crf true``: a CRF over the word-level logits (docs/heads.md); metrics and ``test_predictions.txt`` come from
   its Viterbi paths, and the saved model carries it: ``--model_name_or_path outputs/ner`` loads it back and
   predicts with it, ``--crf true`` given or not (``--crf false`` with such a model is a one-line error).
-  ``--crf_bio_constraints true`` needs BIO (IOB2) training tags: an ``I-`` tag that opens an entity is a
-  ``file:line`` error. ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
+  ``--crf_bio_constraints true`` forbids what IOB2 forbids (the labels are IOB2 whatever the files' scheme).
+  ``--class_weights balanced`` weighs each tag by n / (n_tags x its count) over the training
   labels; ``--class_weights 1 3 ...`` gives one weight per tag (in the label order the error message lists).
 - ``--span_head global_pointer`` (or ``efficient_global_pointer``): a span head instead of token tagging
   (docs/heads.md): every span of words scored per entity type, so entities may nest. Nested data is JSON lines
@@ -45,12 +52,14 @@ Features:
   tagged files are read as above, their tags turned into spans; the entity types are the training data's, sorted,
   or ``--entity_types`` in that order. Metrics are exact-span P / R / F1 (micro and per type; seqeval's on flat
   data), predictions go to ``test_predictions.jsonl`` (and, with ``--span_flat true``, to ``test_predictions.txt``
-  as IOB2 tags), and a saved span model given as ``--model_name_or_path`` predicts with its head and settings.
+  as tags of the files' scheme), and a saved span model given as ``--model_name_or_path`` predicts with its head
+  and settings.
 - Outputs in ``--output_dir`` (default ``outputs/ner``): model and tokenizer (safetensors), ``all_results.json``
   (``eval_f1``, ``eval_precision``, ``eval_recall``, ``eval_accuracy``; per entity type ``eval_PER_precision``,
   ``eval_PER_recall``, ``eval_PER_f1``, ``eval_PER_number`` (gold entities); the ``test_`` ones, the training
   numbers, the data files, label list and truncated-word counts), ``test_predictions.txt`` (``token  gold
-  predicted`` per word, CoNLL style: the predictions the test metrics score) and ``trainer_state.json``. A folder
+  predicted`` per word, CoNLL style: the gold tags as read, the predictions the test metrics score in the files'
+  scheme) and ``trainer_state.json``. A folder
   holding an earlier run's results is refused unless ``--overwrite_output_dir``.
 """
 
@@ -60,20 +69,21 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset
-from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, IntervalStrategy
+from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import DataError
+from nlp_tricks.data.schemes import convert_tags
 from nlp_tricks.data.spans import SpanCollator
 from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
 from common import (
     ModelArguments,
+    build_trainer,
     check_label_arguments,
     data_record,
     load_classifier,
     own_rows,
-    refusals_of_the_model,
     run_recipe,
     start_recipe,
     train_evaluate_predict,
@@ -83,7 +93,7 @@ from ner_data import (
     NER_FEATURES,
     NerDataArguments,
     NerEvalSet,
-    check_bio,
+    check_ner_splits,
     encode_ner_batch,
     load_ner_splits,
     ner_eval_set,
@@ -96,6 +106,7 @@ from ner_data import (
 from ner_outputs import (
     entity_scores,
     ner_compute_metrics,
+    ner_scores,
     ner_word_predictions,
     span_compute_metrics,
     span_word_predictions,
@@ -108,6 +119,7 @@ from ner_spans import (
     load_span_classifier,
     load_span_splits,
     read_span_data,
+    resolve_span_scheme,
     saved_span_defaults,
     saved_span_head,
     saved_types,
@@ -128,6 +140,7 @@ __all__ = [
     "RECIPE_DEFAULTS",
     "NerDataArguments",
     "NerEvalSet",
+    "check_ner_splits",
     "check_span_length",
     "encode_ner_batch",
     "entity_scores",
@@ -136,10 +149,12 @@ __all__ = [
     "load_span_splits",
     "main",
     "ner_eval_set",
+    "ner_scores",
     "prepare_data",
     "prepare_ner_tokenizer",
     "read_data",
     "read_span_data",
+    "resolve_span_scheme",
     "saved_span_defaults",
     "saved_span_head",
     "saved_types",
@@ -234,7 +249,8 @@ class NerTask:
             for split, examples in eval_examples.items()
         }
         return {
-            split: (eval_set.dataset, ner_compute_metrics(id2label, eval_set)) for split, eval_set in eval_sets.items()
+            split: (eval_set.dataset, ner_compute_metrics(id2label, eval_set, data.tag_scheme))
+            for split, eval_set in eval_sets.items()
         }
 
     def pseudo_labels(self, logits, word_ids, threshold: float, crf=None) -> PseudoLabels:
@@ -252,11 +268,12 @@ class NerTask:
         return out
 
     def pseudo_label_accuracy(self, pseudo: PseudoLabels, hidden_gold: list, labels: list[str]) -> float | None:
-        """Per word: the share of labelled words of the kept sentences whose pseudo-tag is the held-out gold tag."""
+        """Per word: the share of labelled words of the kept sentences whose pseudo-tag is the held-out gold tag
+        (both IOB2, the tags the model trains on)."""
         hits = [
             labels[y] == gold
             for i, word_labels in zip(pseudo.indices, pseudo.labels)
-            for y, gold in zip(word_labels, hidden_gold[i])
+            for y, gold in zip(word_labels, convert_tags(hidden_gold[i]))
             if y is not None
         ]
         return float(np.mean(hits)) if hits else None
@@ -315,12 +332,13 @@ def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, traini
         train_dataset, eval_sets, truncation = tokenize_data(
             data_args, tokenizer, labels, train_examples, eval_examples
         )
-    id2label = dict(enumerate(labels))
-    split_metrics = {split: ner_compute_metrics(id2label, eval_set) for split, eval_set in eval_sets.items()}
+    id2label, scheme = dict(enumerate(labels)), data_args.tag_scheme
+    split_metrics = {split: ner_compute_metrics(id2label, eval_set, scheme) for split, eval_set in eval_sets.items()}
 
     def write_test_predictions(output):
         word_tags = ner_word_predictions(eval_sets["test"], output.predictions, output.label_ids, id2label)
-        write_predictions(Path(training_args.output_dir) / "test_predictions.txt", eval_sets["test"], word_tags)
+        path = Path(training_args.output_dir) / "test_predictions.txt"
+        write_predictions(path, eval_sets["test"], word_tags, scheme)
 
     _train_and_report(
         training_args,
@@ -340,9 +358,8 @@ def _setup_tagged_data(data_args: NerDataArguments, training_args: TricksArgumen
     check_no_span_files(data_args)
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
         splits, labels, train_examples, eval_examples = read_data(data_args)
+    # The labels are IOB2 whatever the files' scheme, so --crf_bio_constraints always fits them.
     check_label_arguments(training_args, labels)
-    if training_args.crf_bio_constraints:
-        check_bio(train_examples, splits["train"][1])
     return splits, labels, train_examples, eval_examples
 
 
@@ -365,7 +382,8 @@ def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_
     def write_test_predictions(output):
         eval_set = eval_sets["test"]
         predicted = span_word_predictions(eval_set, own_rows(output.predictions, len(eval_set.seen_words)), types)
-        write_span_predictions(Path(training_args.output_dir), eval_set, predicted, training_args.span_flat)
+        out, flat = Path(training_args.output_dir), training_args.span_flat
+        write_span_predictions(out, eval_set, predicted, flat, scheme=data_args.tag_scheme)
 
     _train_and_report(
         training_args,
@@ -381,20 +399,18 @@ def _train_and_report(training_args, model_parts, data_parts, record, write_test
     then train, evaluate and predict; ``all_results.json`` last (``record`` goes into it)."""
     model, tokenizer, collator = model_parts
     train_dataset, eval_sets, split_metrics = data_parts
-    if "validation" not in eval_sets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_sets["validation"].dataset if "validation" in eval_sets else None,
-            processing_class=tokenizer,
-            data_collator=collator,
-            compute_metrics=split_metrics.get("validation"),
-            **trainer_options,
-        )
     eval_datasets = {split: eval_set.dataset for split, eval_set in eval_sets.items()}
+    trainer = build_trainer(
+        TricksTrainer,
+        training_args,
+        train_dataset,
+        eval_datasets,
+        model=model,
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=split_metrics.get("validation"),
+        **trainer_options,
+    )
     train_evaluate_predict(trainer, train_dataset, eval_datasets, write_test_predictions, split_metrics, record)
 
 

@@ -12,11 +12,19 @@ from dataclasses import dataclass, field
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value
 
-from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file, subtoken_tags
-from nlp_tricks.data.arrow import as_dataset
-from nlp_tricks.functional.crf import bio_violation
+from nlp_tricks.data import (
+    DataError,
+    arrow_dataset,
+    demo_ner,
+    file_signature,
+    iter_ner_file,
+    label_list,
+    subtoken_tags,
+)
+from nlp_tricks.data.arrow import as_dataset, first_rows, iter_rows
+from nlp_tricks.data.schemes import SCHEMES, SchemeScan, convert_tags, resolve_scheme, scan_examples, split_tag
 
-from common import DataArguments, labelled_splits, load_splits, map_options, warn
+from common import DataArguments, eval_splits, load_splits, map_options, warn
 
 
 @dataclass
@@ -43,7 +51,19 @@ class NerDataArguments(DataArguments):
         metadata={
             "help": "The tag of each integer id, in id order (the Hub's ClassLabel names), for files whose tags are "
             "integers: --tag_names O B-PER I-PER (or one comma-separated value). Also fixes the label list and its "
-            "order (id i is the i-th name). (--label_names is the Trainer's flag for the input keys of labels.)"
+            "order (id i is the i-th name; names in a scheme other than IOB2 give the IOB2 labels of their types, "
+            "in order). (--label_names is the Trainer's flag for the input keys of labels.)"
+        },
+    )
+    tag_scheme: str = field(
+        default="auto",
+        metadata={
+            "help": "The scheme of the files' tags: auto (detected from the training file's prefixes and said in one "
+            "line: M- is BMES, L-/U- BILOU, E-/S- BIOES, B-/I- IOB2, or IOB1 when I- opens entities), iob1, iob2, "
+            "bioes (IOBES), bmes or bilou. A tag the scheme does not have is a file:line error. Entities are read "
+            "by conlleval's lenient rule, the model trains on their IOB2 tags, and test_predictions.txt is written "
+            "in the scheme.",
+            "choices": ["auto", *SCHEMES],
         },
     )
     entity_types: list[str] | None = field(
@@ -64,8 +84,8 @@ class NerDataArguments(DataArguments):
     label_all_tokens: bool = field(
         default=False,
         metadata={
-            "help": "Train on every sub-token of a word with tags that keep the word's scheme (B-X I-X ...; a "
-            "BIOES S-X becomes B-X ... E-X), not only its first sub-token."
+            "help": "Train on every sub-token of a word (B-X I-X ...: the IOB2 tags the model trains on), not only "
+            "its first sub-token."
         },
     )
 
@@ -123,13 +143,13 @@ def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
 def tokenize_ner(
     examples, tokenizer, label2id: dict, max_seq_length: int, label_all_tokens: bool, data=None
 ) -> Dataset:
-    """Tokenize words and align tags: a word's tag on its first sub-token, -100 on the rest.
+    """Tokenize words and align tags: each sentence's tags (any scheme) as the IOB2 tags the model trains on (its
+    entities read by :func:`~nlp_tricks.data.schemes.tags_to_spans`, written as IOB2), a word's tag on its first
+    sub-token, -100 on the rest.
 
-    With ``label_all_tokens`` every sub-token of a word is labelled by :func:`~nlp_tricks.data.subtoken_tags`, which
-    keeps the word's scheme (``B-X`` -> ``B-X I-X``; BIOES ``S-X`` -> ``B-X ... E-X``); a continuation tag that is
-    not a training label (``I-X`` where training only has ``B-X``) stays -100 rather than teach a wrong one. (The
-    first sub-token of a split ``S-X`` / ``E-X`` word then learns ``B-X`` / ``I-X``: scored by word, the entity's
-    span is the same for seqeval, while the word's tag accuracy counts it as another tag.)
+    With ``label_all_tokens`` every sub-token of a word is labelled by :func:`~nlp_tricks.data.subtoken_tags`
+    (``B-X`` -> ``B-X I-X``); a continuation tag that is not a training label (``I-X`` where training only has
+    ``B-X``) stays -100 rather than teach a wrong one.
 
     ``examples``: a ``datasets.Dataset`` or a list of dicts; tokenized batch by batch with ``Dataset.map`` (``data``:
     the recipe's arguments, for ``--preprocessing_num_workers`` and ``--overwrite_cache``).
@@ -176,6 +196,7 @@ def encode_ner_batch(batch: dict, tokenizer, label2id: dict, max_seq_length: int
     full_index = {i: k for k, i in enumerate(full_rows)}
     all_labels, all_seen, cut_words, empty_words = [], [], [], []
     for i, tags in enumerate(batch["ner_tags"]):
+        tags = convert_tags(tags)  # the IOB2 tags the model trains on, whatever the file's scheme
         word_ids = encodings.word_ids(batch_index=i)
         pieces = {}
         for word in word_ids:
@@ -289,26 +310,81 @@ def ner_truncation_record(
     return record
 
 
-def check_bio(examples: list[dict], source: str) -> None:
-    """With ``--crf_bio_constraints`` every training sentence must be valid BIO (IOB2): one ``file:line`` error if
-    not (a forbidden gold path would cost the CRF a score of -10,000)."""
-    for ex in examples:
-        violation = bio_violation(ex["ner_tags"])
-        if violation is not None:
-            i, why = violation
-            line = (ex.get("tag_lines") or [ex.get("line")] * (i + 1))[i]
-            raise DataError(
-                source, line, f"--crf_bio_constraints: {why}; convert IOB1 tags to IOB2 or drop the constraints"
-            )
-
-
 def read_data(data_args: NerDataArguments):
     """``(splits, labels, train_examples, eval_examples)``: every file read and checked (one ``file:line`` error on
-    bad input), the label list, the splits cut to ``--max_train_samples`` / ``--max_eval_samples``."""
+    bad input), the tag scheme resolved (:func:`resolve_tag_scheme`), the IOB2 labels the model trains on
+    (:func:`training_labels`), every validation / test tag checked against them, the splits cut to
+    ``--max_train_samples`` / ``--max_eval_samples``."""
     splits = load_ner_splits(data_args)
-    # With --tag_names, id i is the i-th name (as in the files); otherwise the training tags, sorted.
-    labels, train_examples, eval_examples = labelled_splits(splits, "ner_tags", data_args, data_args.tag_names)
-    return splits, labels, train_examples, eval_examples
+    return (splits, *check_ner_splits(splits, data_args))
+
+
+def check_ner_splits(splits: dict, data_args: NerDataArguments, labels: list[str] | None = None):
+    """``(labels, train_examples, eval_examples)`` of :func:`read_data`'s splits (``labels``: a saved model's or an
+    ensemble's, else the training data's); ``data_args.tag_scheme`` becomes the run's scheme."""
+    scans = {split: scan_examples(iter_rows(splits[split][0])) for split in _scanned(splits)}
+    resolve_tag_scheme(scans, splits, data_args)
+    first = next(iter(scans))
+    if labels is None:
+        labels = training_labels(scans[first], data_args.tag_names, splits[first][1])
+    for split, scan in scans.items():
+        check_tags_known(scan, labels, splits[split][1])
+    train = first_rows(splits["train"][0], data_args.max_train_samples) if "train" in splits else None
+    return labels, train, eval_splits(splits, data_args.max_eval_samples)
+
+
+def _scanned(splits: dict) -> list[str]:
+    """The splits whose tags are read for the scheme and the labels, the one they come from first: every example
+    once ("all" holds the folds' splits)."""
+    if "all" in splits:
+        return ["all"]
+    return [split for split in ("train", "validation", "test") if split in splits]
+
+
+def resolve_tag_scheme(scans: dict[str, SchemeScan], splits: dict, data_args: NerDataArguments) -> str:
+    """The run's tag scheme: ``--tag_scheme``, or the one the first split's tags (the training data's) read as, said
+    in one line; every other split's tags checked against it (one ``file:line`` error at a tag it does not have).
+    ``data_args.tag_scheme`` becomes it."""
+    first, *others = scans
+    named, source = data_args.tag_scheme, splits[first][1]
+    scheme, why = resolve_scheme(scans[first], named, source)
+    if named == "auto":
+        warn(f"{source}: tag scheme {why}; trained as IOB2, predictions written as {scheme.upper()}")
+    for split in others:
+        resolve_scheme(scans[split], scheme, splits[split][1], detected_from=source if named == "auto" else None)
+    data_args.tag_scheme = scheme
+    return scheme
+
+
+def training_labels(scan: SchemeScan, tag_names: list[str] | None, source: str) -> list[str]:
+    """The IOB2 labels the model trains on, in id order: ``--tag_names`` when they are IOB2 tags, the IOB2 labels of
+    their types (in order) when they are another scheme's, else the training data's IOB2 tags, sorted."""
+    if tag_names is None:
+        labels = label_list([{"tags": list(scan.iob2)}], "tags")
+    elif all(name == "O" or name[:2] in ("B-", "I-") for name in tag_names):
+        labels = list(tag_names)
+    else:
+        labels = []
+        for name in tag_names:
+            try:
+                prefix, kind = split_tag(name)
+            except ValueError as err:
+                raise DataError(None, None, f"--tag_names: {err}") from None
+            for label in ["O"] if prefix == "O" else [f"B-{kind}", f"I-{kind}"]:
+                if label not in labels:
+                    labels.append(label)
+    if len(labels) < 2:
+        raise DataError(source, None, f"only one label ({labels[0]!r}) in the training data; a classifier needs two")
+    return labels
+
+
+def check_tags_known(scan: SchemeScan, labels: list[str], source: str) -> None:
+    """Refuse a tag whose IOB2 tag is not a label (one ``file:line`` error naming the tag as written)."""
+    unknown = [(line, tag, iob2) for iob2, (tag, line) in scan.iob2.items() if iob2 not in labels]
+    if unknown:
+        line, tag, iob2 = min(unknown, key=lambda u: (u[0] is None, u[0] or 0))
+        as_trained = "" if tag == iob2 else f" (IOB2 {iob2!r}, as the model trains)"
+        raise DataError(source, line, f"label {tag!r}{as_trained} does not occur in the training data {labels}")
 
 
 def tokenize_data(data_args: NerDataArguments, tokenizer, labels: list[str], train_examples, eval_examples):

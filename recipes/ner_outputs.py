@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from nlp_tricks.data.schemes import convert_tags
 from nlp_tricks.data.spans import spans_to_tags
-from nlp_tricks.metrics import load_metric
-from nlp_tricks.metrics.spans import span_f1
+from nlp_tricks.metrics.spans import span_f1, tag_f1
 
 from common import own_rows, warn
 from ner_data import NerEvalSet
@@ -38,28 +38,34 @@ def ner_word_predictions(eval_set: NerEvalSet, predictions: np.ndarray, label_id
     return out
 
 
-def ner_compute_metrics(id2label: dict, eval_set: NerEvalSet) -> Callable:
-    """``compute_metrics`` for one split: entity-level P / R / F1 and word accuracy over every word of every
-    sentence, against the gold tags as read (words the model could not see count as predicted ``O``)."""
-    seqeval = load_metric("seqeval_f1")
+def ner_compute_metrics(id2label: dict, eval_set: NerEvalSet, scheme: str = "iob2") -> Callable:
+    """``compute_metrics`` for one split: exact-span entity P / R / F1 (micro and per type) and word accuracy over
+    every word of every sentence (:func:`~nlp_tricks.metrics.spans.tag_f1`), the predictions written in the files'
+    ``scheme`` against the gold tags as read (words the model could not see count as predicted ``O``): the numbers
+    of ``test_predictions.txt``."""
 
     def compute_metrics(eval_pred):
         n = len(eval_set.examples)
         predictions, label_ids = own_rows(eval_pred.predictions, n), own_rows(eval_pred.label_ids, n)
         predicted = ner_word_predictions(eval_set, predictions, label_ids, id2label)
-        gold = [ex["ner_tags"] for ex in eval_set.examples]
-        scores = seqeval.compute(predictions=predicted, references=gold)
-        return {
-            **{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")},
-            **entity_scores(scores),
-        }
+        return ner_scores([ex["ner_tags"] for ex in eval_set.examples], predicted, scheme)
 
     return compute_metrics
 
 
+def ner_scores(gold: list[list[str]], predicted: list[list[str]], scheme: str | None = None) -> dict[str, float]:
+    """The recipe's metrics of predicted against gold tags (with ``scheme``, the predictions written in it first):
+    ``precision``, ``recall``, ``f1``, ``accuracy`` and per entity type (:func:`entity_scores`)."""
+    if scheme is not None:
+        predicted = [convert_tags(tags, scheme) for tags in predicted]
+    scores = tag_f1(predicted, gold)
+    return {**{key: float(scores[key]) for key in ("precision", "recall", "f1", "accuracy")}, **entity_scores(scores)}
+
+
 def entity_scores(scores: dict) -> dict[str, float]:
-    """Per entity type of a ``seqeval_f1`` result: ``<TYPE>_precision``, ``_recall``, ``_f1`` and ``_number`` (its
-    gold entities), flat floats as the Trainer logs metrics (``eval_PER_f1`` in ``all_results.json``)."""
+    """Per entity type of a ``seqeval_f1`` or :func:`~nlp_tricks.metrics.spans.span_f1` result: ``<TYPE>_precision``,
+    ``_recall``, ``_f1`` and ``_number`` (its gold entities), flat floats as the Trainer logs metrics (``eval_PER_f1``
+    in ``all_results.json``)."""
     return {
         f"{entity}_{name}": float(values[name])
         for entity, values in scores.items()
@@ -68,11 +74,13 @@ def entity_scores(scores: dict) -> dict[str, float]:
     }
 
 
-def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str]]) -> None:
+def write_predictions(path: Path, eval_set: NerEvalSet, word_tags: list[list[str]], scheme: str = "iob2") -> None:
     """One ``token<TAB>gold<TAB>predicted`` line per word of every sentence, a blank line between sentences: the
-    predictions the metrics scored (a word the model could not see: ``O``)."""
+    gold tags as read, the predictions the metrics scored written in ``scheme`` (the files'; a word the model could
+    not see: ``O``)."""
     lines = []
     for ex, predicted in zip(eval_set.examples, word_tags):
+        predicted = convert_tags(predicted, scheme)
         lines += [f"{tok}\t{gold}\t{pred}" for tok, gold, pred in zip(ex["tokens"], ex["ner_tags"], predicted)]
         lines.append("")
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -105,12 +113,17 @@ def span_compute_metrics(types: list[str], eval_set: NerEvalSet) -> Callable:
 
 
 def write_span_predictions(
-    out: Path, eval_set: NerEvalSet, predicted: list[list[tuple]], flat: bool, name: str = "test_predictions"
+    out: Path,
+    eval_set: NerEvalSet,
+    predicted: list[list[tuple]],
+    flat: bool,
+    name: str = "test_predictions",
+    scheme: str = "iob2",
 ) -> None:
     """``<name>.jsonl`` (``test_predictions.jsonl``): per sentence ``{"tokens", "entities": predicted,
     "gold_entities": gold}`` (a nested data file of the predictions); with ``flat`` also ``<name>.txt``
-    (``token<TAB>gold<TAB>predicted`` IOB2 tags per word, as the tagging recipe writes), when the gold entities are
-    flat too."""
+    (``token<TAB>gold<TAB>predicted`` tags per word in ``scheme``, as the tagging recipe writes), when the gold
+    entities are flat too."""
     gold = gold_spans(eval_set)
     lines = []
     for ex, pred, ref in zip(eval_set.examples, predicted, gold):
@@ -121,11 +134,11 @@ def write_span_predictions(
         return
     try:
         tags = [
-            (ex["tokens"], spans_to_tags(ref, len(ex["tokens"])), spans_to_tags(pred, len(ex["tokens"])))
+            (ex["tokens"], *(spans_to_tags(spans, len(ex["tokens"]), scheme) for spans in (ref, pred)))
             for ex, pred, ref in zip(eval_set.examples, predicted, gold)
         ]
     except ValueError:
-        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (IOB2 tags) is written")
+        warn(f"--span_flat true: the gold entities nest, so no {name}.txt (tags of one entity per word) is written")
         return
     blocks = ["\n".join(f"{t}\t{g}\t{p}" for t, g, p in zip(*sentence)) + "\n" for sentence in tags]
     (out / f"{name}.txt").write_text("\n".join(blocks), encoding="utf-8")

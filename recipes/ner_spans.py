@@ -11,8 +11,9 @@ from datasets import Dataset, Features, Sequence, Value
 from transformers import AutoModelForTokenClassification
 
 from nlp_tricks import TricksArguments
-from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature
+from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file
 from nlp_tricks.data.arrow import as_dataset, column_values, first_rows
+from nlp_tricks.data.schemes import scan_examples
 from nlp_tricks.data.spans import check_entity_types, is_nested_file, iter_span_file, span_label_rows, tags_to_spans
 from nlp_tricks.functional.spans import load_span_model
 
@@ -33,6 +34,7 @@ from ner_data import (
     encode_ner_batch,
     ner_truncation_record,
     prepare_ner_tokenizer,
+    resolve_tag_scheme,
 )
 
 SPAN_FEATURES = Features(
@@ -135,6 +137,7 @@ def read_span_data(data_args: NerDataArguments, types: list[str] | None = None, 
     entity types are ``types`` (a saved span model's, or ``--entity_types``: ``known_from`` names where they come
     from) or the training data's, sorted; a type of the data outside them is a ``file:line`` error."""
     splits = load_span_splits(data_args)
+    resolve_span_scheme(data_args)
     train_source = splits["train"][1]
     if types is None:
         found = {
@@ -150,6 +153,21 @@ def read_span_data(data_args: NerDataArguments, types: list[str] | None = None, 
             check_entity_types(splits[split][0], types, splits[split][1], known_from)
     train = first_rows(splits["train"][0], data_args.max_train_samples)
     return splits, types, train, eval_splits(splits, data_args.max_eval_samples)
+
+
+def resolve_span_scheme(data_args: NerDataArguments) -> str:
+    """The tag scheme of a span head's tagged files, resolved as token tagging resolves it (``--tag_scheme``, or
+    detected in the first of them and said in one line; each checked, one ``file:line`` error at a tag it does not
+    have): the scheme ``--span_flat`` writes ``test_predictions.txt`` in. Nested files, the demo and the Hub have
+    no tags to read it from: ``--tag_scheme``, IOB2 under auto. ``data_args.tag_scheme`` becomes it."""
+    files = {split: getattr(data_args, f"{split}_file") for split in ("train", "validation", "test")}
+    tagged = {split: path for split, path in files.items() if path and not is_nested_file(path)}
+    if not tagged:
+        data_args.tag_scheme = "iob2" if data_args.tag_scheme == "auto" else data_args.tag_scheme
+        return data_args.tag_scheme
+    columns = (data_args.tokens_column, data_args.tags_column, data_args.tag_names)
+    scans = {split: scan_examples(iter_ner_file(path, *columns)) for split, path in tagged.items()}
+    return resolve_tag_scheme(scans, {split: (None, path) for split, path in tagged.items()}, data_args)
 
 
 def encode_span_batch(batch: dict, tokenizer, type2id: dict, max_seq_length: int) -> dict:

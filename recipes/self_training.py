@@ -61,6 +61,7 @@ from common import (
     resolve_model_path,
     run_recipe,
     start_recipe,
+    user_tricks,
     write_json_atomic,
 )
 from ner import NER_TASK, NerDataArguments
@@ -277,6 +278,7 @@ def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, 
         processing_class=tokenizer,
         data_collator=TeacherLogitsCollator(task.collator(tokenizer), tokenizer.padding_side),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        tricks=user_tricks(args),
     )
     train_result = trainer.train()
     exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---

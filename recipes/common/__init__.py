@@ -14,6 +14,8 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 - ``outputs``: the output folder (an earlier run's results refused or removed) and atomic JSON.
 - ``run``: running a recipe (threads, one-line data errors) and the end of a run (train, evaluate, predict,
   ``all_results.json``, the exit of a preempted run).
+- ``trainer``: :func:`build_trainer`, the trainer every recipe builds (validation, ``--trick`` tricks, refusals).
+- ``user_tricks``: ``--trick module:Class``, a user's own trick with its flags (:func:`user_tricks`).
 - ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
 """
 
@@ -48,6 +50,8 @@ from .peft import PeftArguments, adapter_config, add_lora, check_peft_tricks, me
 from .process import is_main_process, logger, warn
 from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict, use_every_core
 from .start import start_recipe
+from .trainer import build_trainer
+from .user_tricks import TrickError, load_trick, trick_specs, user_tricks
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -58,8 +62,10 @@ __all__ = [
     "ModelArguments",
     "PeftArguments",
     "RunArguments",
+    "TrickError",
     "adapter_config",
     "add_lora",
+    "build_trainer",
     "check_label_arguments",
     "check_peft_tricks",
     "check_saved_crf",
@@ -73,6 +79,7 @@ __all__ = [
     "is_main_process",
     "labelled_splits",
     "labels_of",
+    "load_trick",
     "load_classifier",
     "load_config_and_tokenizer",
     "load_splits",
@@ -91,7 +98,9 @@ __all__ = [
     "saved_crf_defaults",
     "start_recipe",
     "train_evaluate_predict",
+    "trick_specs",
     "use_every_core",
+    "user_tricks",
     "warn",
     "write_json_atomic",
 ]

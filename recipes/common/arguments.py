@@ -131,6 +131,16 @@ class RunArguments:
         },
     )
 
+    trick: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "A trick of your own: module:Class (a module importable from the working directory) or "
+            "path/to/file.py:Class, an nlp_tricks.Trick subclass passed to the trainer (repeatable). A class with "
+            "an argument dataclass (arguments = MyArgs, as the built-in tricks) gets its fields as flags, checked "
+            "by its validate(args) and built by from_args(args) if it has them (else Class(args) / Class()); "
+            "--help with --trick lists them."
+        },
+    )
     max_time: str | None = field(
         default=None,
         metadata={

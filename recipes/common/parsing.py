@@ -18,6 +18,7 @@ from .arguments import RunArguments
 from .config_file import flag_actions, is_config_file, read_config_file
 from .help import HelpFormatter, as_flags, describe_run_flags, description_of, group_arguments
 from .process import warn
+from .user_tricks import TrickError, attach_user_tricks, config_trick_specs, load_user_tricks, trick_specs
 
 
 def parse_recipe_args(
@@ -51,10 +52,12 @@ def parse_recipe_args(
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     evidence_defaults = evidence_defaults or {}
-    parser = recipe_parser(dataclass_types, recipe, description, evidence_defaults, evidence_unless)
+    tricks = _user_tricks(recipe, dataclass_types, argv)
+    trick_types = tuple(trick.arguments for trick in tricks if trick.arguments is not None)
+    parser = recipe_parser((*dataclass_types, *trick_types), recipe, description, evidence_defaults, evidence_unless)
     from_file = {}
     if argv and is_config_file(argv[0]):
-        from_file = read_config_file(parser, argv.pop(0), (*dataclass_types, RunArguments))
+        from_file = read_config_file(parser, argv.pop(0), (*dataclass_types, *trick_types, RunArguments))
     parser.set_defaults(**{**run_defaults(recipe, defaults), **from_file})
     namespace = parser.parse_args(argv)
     given = set(from_file) | flags_given(parser, argv)
@@ -68,9 +71,23 @@ def parse_recipe_args(
     evidence_on = namespace.tricks == "default" and not (evidence_unless and getattr(namespace, evidence_unless))
     applied = {n: v for n, v in evidence_defaults.items() if evidence_on and n not in given}
     try:
-        return build_with_evidence_defaults(namespace, dataclass_types, applied)
+        parsed = build_with_evidence_defaults(namespace, (*dataclass_types, *trick_types), applied)
+        training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
+        attach_user_tricks(training_args, tricks, parsed[len(dataclass_types) :])
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    return parsed[: len(dataclass_types)]
+
+
+def _user_tricks(recipe: str, dataclass_types: tuple, argv: list[str]) -> list:
+    """The ``--trick`` classes of the command line (else of its config file), loaded before the parser is built, as
+    their fields are flags; a bad one is one line and exit 2, as argparse's errors."""
+    specs = trick_specs(argv) or (config_trick_specs(argv[0]) if argv and is_config_file(argv[0]) else [])
+    taken = {f.name for dtype in (*dataclass_types, RunArguments) for f in dataclasses.fields(dtype)}
+    try:
+        return load_user_tricks(specs, taken)
+    except TrickError as err:
+        _exit_with(f"{recipe}.py", str(err))
 
 
 def run_defaults(recipe: str, defaults: dict | None) -> dict:
@@ -128,7 +145,12 @@ finite_float.__name__ = "float"  # argparse names the type in its message: "inva
 
 def _one_line_error(parser, message: str):
     """argparse's error without the usage block (hundreds of flags): the error and where to read about the flags."""
-    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+    _exit_with(parser.prog, message)
+
+
+def _exit_with(prog: str, message: str):
+    sys.stderr.write(f"{prog}: error: {message} (see {prog} --help)\n")
+    sys.exit(2)
 
 
 def flags_given(parser, argv: list[str]) -> set[str]:
