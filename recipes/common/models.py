@@ -25,7 +25,7 @@ from nlp_tricks.runtime.checkpoint import is_state_dict_file, load_state_dict_po
 from .arguments import ModelArguments
 from .errors import one_line_load_errors
 from .pad_token import choose_pad_token, fit_model_to_tokenizer
-from .peft import MERGE_WHEN_TRAINED, TASK_TYPES, adapter_config, add_lora, load_adapter
+from .peft import TASK_TYPES, adapter_config, add_lora, load_adapter
 
 # Names of built-in demo models that --model_name_or_path takes, and the function giving each one's folder.
 DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path, "minilm-demo": demo_model_path}
@@ -94,16 +94,11 @@ def load_classifier(
     check_head_dropout(auto_cls, config, training_args)
     new_token = choose_pad_token(tokenizer, model_args.pad_token, f"--model_name_or_path {path}")
     fit_model_to_tokenizer(model, tokenizer)
-    lora = train and model_args.peft == "lora"
     if adapter:
         if "crf" in (adapter.get("modules_to_save") or []):
             add_crf(model)  # the adapter holds the trained CRF's weights
-        model = load_adapter(model, path, trainable=lora)
-        if lora:
-            setattr(model, MERGE_WHEN_TRAINED, bool(model_args.merge_lora))
-        elif train:
-            model = model.merge_and_unload()  # --peft none: every weight of the adapted model trains
-    elif lora:
+        model = load_adapter(model, path, model_args, train)
+    elif train and model_args.peft == "lora":
         task_type = TASK_TYPES.get(auto_cls.__name__, "SEQ_CLS")
         if getattr(training_args, "crf", False) and task_type == "TOKEN_CLS":
             add_crf(model, bio_constraints=training_args.crf_bio_constraints)  # trains in full beside the adapter

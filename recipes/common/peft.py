@@ -267,15 +267,22 @@ def adapter_config(path: str | None) -> dict | None:
     return config
 
 
-def load_adapter(model, path: str, trainable: bool):
+def load_adapter(model, path: str, model_args, train: bool):
     """The adapter saved in ``path`` on ``model`` (its base model, with the head and any CRF the adapter's
-    ``modules_to_save`` names): ``peft.PeftModel.from_pretrained``; its weights train on when ``trainable``."""
+    ``modules_to_save`` names): ``peft.PeftModel.from_pretrained``. Trained with ``--peft lora`` it trains on (merged
+    when training ends with ``--merge_lora``); trained with ``--peft none`` it is merged and every weight trains;
+    to predict it stays as saved."""
     from peft import PeftModel
 
+    lora = train and model_args.peft == "lora"
     try:
-        peft_model = PeftModel.from_pretrained(model, path, is_trainable=trainable)
+        peft_model = PeftModel.from_pretrained(model, path, is_trainable=lora)
     except (OSError, ValueError, RuntimeError) as err:
         raise DataError(
             None, None, f"--model_name_or_path {path}: cannot load its adapter: {first_sentence(err)}"
         ) from err
+    if lora:
+        setattr(peft_model, MERGE_WHEN_TRAINED, bool(model_args.merge_lora))
+    elif train:
+        return peft_model.merge_and_unload()
     return peft_model
