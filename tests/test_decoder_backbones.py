@@ -139,10 +139,13 @@ def lora_llama(task: str, crf: bool = False, **lora):
 
 
 def trained(tmp_path, model, task: str, steps: int = 3, **tricks) -> dict[str, torch.Tensor]:
+    """The trainable weights after ``steps`` steps, as the trainer evaluates and saves them (the EMA's with
+    ``ema_decay``)."""
     data = seq_cls_data() if task == "seq" else token_cls_data(num_labels=3)
-    args = tricks_args(tmp_path, max_steps=steps, **tricks)
-    TricksTrainer(model=model, args=args, train_dataset=data).train()
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, max_steps=steps, **tricks), train_dataset=data)
+    trainer.train()
+    with trainer.call_tricks("eval_weights"):
+        return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 TRICKS = {
@@ -166,8 +169,11 @@ TRICKS = {
 @pytest.mark.parametrize("trick", list(TRICKS))
 def test_each_trick_trains_a_lora_decoder_and_changes_what_it_learns(tmp_path, trick, task):
     """Three steps with the trick: every trainable weight (adapters, the head's modules_to_save copy) moved, and the
-    weights differ from those of the same three steps without it. R-Drop needs dropout: the adapter's, in both runs
-    (its two passes draw other masks, so the plain run is only a sanity reference there)."""
+    weights the trainer evaluates with differ from those of the same three steps without it. R-Drop needs dropout:
+    the adapter's, in both runs (its two passes draw other masks, so the plain run is only a sanity reference
+    there). Multi-sample dropout: on the tagger (a decoder's sequence classifier is refused, below)."""
+    if trick == "head_dropout" and task == "seq":
+        pytest.skip("refused on a decoder's sequence classifier: test_multi_sample_dropout_on_a_decoder_classifier...")
     lora = {"lora_dropout": 0.1} if trick == "rdrop" else {}
     initial = {n: p.detach().clone() for n, p in lora_llama(task, **lora).named_parameters() if p.requires_grad}
     plain = trained(tmp_path / "plain", lora_llama(task, **lora), task)
@@ -195,9 +201,33 @@ def test_layer_decay_groups_cover_the_decoder_layers_in_order():
 
 
 def test_multi_sample_dropout_hooks_the_heads_trained_copy():
-    model = lora_llama("seq")
+    model = lora_llama("token")
     name, head = find_classifier(model)
     assert name == "score.modules_to_save.default" and head.weight.requires_grad
+
+
+def test_multi_sample_dropout_on_a_decoder_classifier_is_refused_in_one_line(tmp_path):
+    """A decoder's sequence classifier runs its head at every position, then keeps the last token's logits: the K
+    head samples are not logits, so the recipes refuse it before training (the tagger takes it)."""
+    folder = make_tiny_decoder(tmp_path / "m")
+    args = tricks_args(tmp_path, head_dropout_samples=3, head_dropout=0.3)
+    with pytest.raises(
+        DataError, match=r"^--head_dropout_samples 3 --head_dropout 0.3: a decoder's sequence classifier"
+    ):
+        load_classifier(
+            AutoModelForSequenceClassification, ModelArguments(model_name_or_path=folder), LABELS, None, args
+        )
+    model, _, _ = load_classifier(
+        AutoModelForTokenClassification, ModelArguments(model_name_or_path=folder), LABELS, None, args
+    )
+    assert type(model).__name__ == "LlamaForTokenClassification"
+
+
+def test_rdrop_without_any_dropout_is_still_refused_after_the_first_step(tmp_path):
+    """A LoRA adapter's B starts at zero, so R-Drop judges a PEFT model's dropout after one step; a tiny Llama with
+    no dropout at all (attention_dropout 0, lora_dropout 0) is refused then."""
+    with pytest.raises(ValueError, match="rdrop_alpha=1.0 needs dropout, but the two passes over the batch gave"):
+        trained(tmp_path, lora_llama("seq"), "seq", steps=2, rdrop_alpha=1.0)
 
 
 def test_crf_trains_in_full_beside_the_adapter_at_its_own_rate(tmp_path):
@@ -209,12 +239,13 @@ def test_crf_trains_in_full_beside_the_adapter_at_its_own_rate(tmp_path):
         model=model, args=tricks_args(tmp_path, crf=True, weight_decay=0.1), train_dataset=token_cls_data(num_labels=3)
     )
     trainer.create_optimizer()
-    crf_groups = [g for g in trainer.optimizer.param_groups if any(".crf." in n for n in g["names"])]
-    assert [(g["label"], g["lr"], g["weight_decay"]) for g in crf_groups] == [
-        ("base_model.model.crf", pytest.approx(LR * 100.0), 0.0)
-    ]
-    trainer.train()
+    crf = [g for g in trainer.optimizer.param_groups if g.get("label") == "base_model.model.crf"]
+    assert [(len(g["params"]), g["lr"], g["weight_decay"]) for g in crf] == [(3, pytest.approx(LR * 100.0), 0.0)]
     copy = model.base_model.model.crf.modules_to_save["default"]
+    assert {id(p) for p in crf[0]["params"]} == {
+        id(p) for p in copy.parameters()
+    }  # the trained copy, not the original
+    trainer.train()
     assert not torch.equal(copy.transitions, initial)
     assert torch.equal(model.base_model.model.crf.original_module.transitions, initial)
     merged = model.merge_and_unload()
@@ -224,3 +255,34 @@ def test_crf_trains_in_full_beside_the_adapter_at_its_own_rate(tmp_path):
 def test_crf_on_a_peft_model_without_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="crf=True cannot be added to a PEFT model after wrapping"):
         TricksTrainer(model=lora_llama("token"), args=tricks_args(tmp_path, crf=True))
+
+
+def byte_level_tokenizer(pre_tokenizer):
+    """A byte-level BPE tokenizer with no merges (one token per byte), as Llama-3's, SmolLM2's and GPT-2's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["ByteLevel", "Sequence[Split, ByteLevel]"])
+def test_ner_gives_a_decoders_pre_split_words_their_form_after_a_space(sequence):
+    """Each pre-split word gets the leading 'Ġ' it has in running text (the first word too), whatever the model
+    type: SmolLM2's (ByteLevel) and Llama-3's (a Split then ByteLevel) pre-tokenizers."""
+    from tokenizers import pre_tokenizers
+    from transformers import LlamaConfig
+
+    from ner_data import prepare_ner_tokenizer
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not sequence)
+    split = pre_tokenizers.Split(pattern=" ", behavior="isolated")
+    tokenizer = byte_level_tokenizer(pre_tokenizers.Sequence([split, byte_level]) if sequence else byte_level)
+    words = ["john", "works"]
+    assert tokenizer(words, is_split_into_words=True).tokens() == list("johnworks")
+    prepare_ner_tokenizer(LlamaConfig(), tokenizer)
+    encoding = tokenizer(words, is_split_into_words=True)
+    assert encoding.tokens() == ["Ġ", *"john", "Ġ", *"works"]
+    assert encoding.word_ids() == [0] * 5 + [1] * 6
