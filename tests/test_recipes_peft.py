@@ -87,6 +87,16 @@ def test_classification_lora_on_a_decoder_reloads_and_predicts_the_same(tiny_lla
     assert again["test_loss"] == trained["test_loss"] and again["eval_loss"] == trained["eval_loss"]
 
 
+def test_a_run_merged_in_bf16_predicts_as_its_reload(tiny_llama, tmp_path, monkeypatch):
+    """Under mixed precision the merged model evaluates with the autocast a reloaded model gets (accelerate's
+    evaluation preparation): the same test loss, bit for bit. Without it the merged model ran in float32."""
+    data, flags = cls_files(tmp_path), ["--bf16", "true", "--use_cpu", "true"]
+    out = tmp_path / "trained"
+    trained = run("classification", tiny_llama, out, data, monkeypatch, *LORA, *flags)
+    again = reload("classification", out, tmp_path / "reloaded", data, monkeypatch, *flags)
+    assert again["test_loss"] == trained["test_loss"] and again["eval_loss"] == trained["eval_loss"]
+
+
 @pytest.mark.parametrize("merge", ["true", "false"])
 def test_ner_lora_crf_on_a_decoder_reloads_and_predicts_the_same(tiny_llama, tmp_path, monkeypatch, merge):
     """The tagger is LlamaForTokenClassification; the CRF trains in full beside the adapter, is saved with it (or

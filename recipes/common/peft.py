@@ -249,8 +249,10 @@ def merge_trained_adapter(trainer) -> None:
     with torch.no_grad():
         for param, value in values:
             param.copy_(value)
-    trainer.model = trainer.model.merge_and_unload()
-    trainer.model_wrapped = trainer.model
+    merged = trainer.model.merge_and_unload()
+    # Prepared for evaluation as Trainer prepares a model it did not train (mixed precision's autocast on its
+    # forward): the merged model then predicts as the same folder reloaded with --do_train false does.
+    trainer.model = trainer.model_wrapped = trainer.accelerator.prepare_model(merged, evaluation_mode=True)
 
 
 def adapter_config(path: str | None) -> dict | None:
