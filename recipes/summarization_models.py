@@ -25,6 +25,7 @@ from common import (
     is_causal_lm,
     load_config_and_tokenizer,
     load_weights,
+    one_line_load_errors,
     resolve_model_path,
 )
 from common import add_lora as add_task_lora
@@ -99,14 +100,18 @@ def load_model_and_tokenizer(model_args: SummarizationModelArguments, train: boo
         return (load_adapter(model, path, model_args, train) if adapter else model), tokenizer
     if model_args.pad_token is not None:
         raise DataError(None, None, f"--pad_token: {path} is no causal LM; its tokenizer pads as it is")
+    flag = f"--model_name_or_path {model_args.model_name_or_path}"
     if config.is_encoder_decoder:
-        return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
+        with one_line_load_errors(flag, source):
+            return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
     if state_dict_file:
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = EncoderDecoderModel(EncoderDecoderConfig.from_encoder_decoder_configs(config, copy.deepcopy(config)))
-        load_state_dict_portable(model, path)
+        with one_line_load_errors(flag, path):
+            load_state_dict_portable(model, path)
     else:
-        model = EncoderDecoderModel.from_encoder_decoder_pretrained(source, source)
+        with one_line_load_errors(flag, source):
+            model = EncoderDecoderModel.from_encoder_decoder_pretrained(source, source)
     # BERT has no decoder start or end token: generation starts at [CLS] and stops at [SEP].
     for cfg in (model.config, model.generation_config):
         cfg.decoder_start_token_id = tokenizer.cls_token_id

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..functional.losses import rdrop_kl
-from ..trick import LossBatch, Trick
+from ..functional.models import unwrap_model
+from ..trick import LossBatch
+from .base import BuiltInTrick
 
-__all__ = ["RDrop", "RDropArguments"]
+__all__ = ["RDropTrick", "RDrop", "RDropArguments"]
 
 
 @dataclass
@@ -28,7 +30,7 @@ class RDropArguments:
     )
 
 
-class RDrop(Trick):
+class RDropTrick(BuiltInTrick):
     """The batch runs twice with independent dropout (one forward of the doubled batch); the loss per counted item
     is ``loss(a) + loss(b) + rdrop_alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))``. Logs ``loss_kl``."""
 
@@ -38,12 +40,12 @@ class RDrop(Trick):
     in_evaluation = False
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self._checked = False  # the first batch checks that the model has active dropout (PEFT: after a step)
 
     @classmethod
-    def from_args(cls, args) -> RDrop | None:
-        return cls(args) if args.rdrop_alpha > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.rdrop_alpha > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -90,7 +92,7 @@ class RDrop(Trick):
             logits = logits / self.args.temperature
         logits_a, logits_b = logits.chunk(2)
         if not self._checked:
-            model = trainer.accelerator.unwrap_model(trainer.model)
+            model = unwrap_model(trainer.model)  # a PEFT model stays one: its dropout is judged after a step
             if not torch.equal(logits_a, logits_b):
                 self._checked = True
             # A LoRA adapter's B starts at zero, so its dropout acts on a path that adds nothing until the first
@@ -104,3 +106,6 @@ class RDrop(Trick):
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
         trainer.record_loss_term("loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl
+
+
+RDrop = RDropTrick  # its name before the built-ins were named <Flag>Trick

@@ -19,7 +19,14 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 - ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
 """
 
-from .arguments import DataArguments, ModelArguments, RunArguments
+from .arguments import (
+    ENCODER_DEFAULTS,
+    TABLE_TRAIN_FILE_HELP,
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    dataset_help,
+)
 from .config_file import CONFIG_SUFFIXES
 from .data import (
     check_label_arguments,
@@ -31,7 +38,7 @@ from .data import (
     load_splits,
     map_options,
 )
-from .errors import refusals_of_the_model
+from .errors import one_line_load_errors, refusals_of_the_model
 from .models import (
     DEMO_MODELS,
     check_saved_crf,
@@ -57,12 +64,14 @@ from .user_tricks import TrickError, load_trick, trick_specs, user_tricks
 __all__ = [
     "CONFIG_SUFFIXES",
     "DEMO_MODELS",
+    "ENCODER_DEFAULTS",
     "RESULT_OUTPUTS",
     "RUN_OUTPUTS",
     "DataArguments",
     "ModelArguments",
     "PeftArguments",
     "RunArguments",
+    "TABLE_TRAIN_FILE_HELP",
     "TrickError",
     "adapter_config",
     "add_lora",
@@ -74,6 +83,7 @@ __all__ = [
     "check_task_class",
     "choose_pad_token",
     "data_record",
+    "dataset_help",
     "eval_splits",
     "exit_if_preempted",
     "fit_model_to_tokenizer",
@@ -90,6 +100,7 @@ __all__ = [
     "map_options",
     "merge_trained_adapter",
     "model_holds_crf",
+    "one_line_load_errors",
     "own_rows",
     "parse_recipe_args",
     "prepare_output_dir",
