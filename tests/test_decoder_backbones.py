@@ -286,3 +286,26 @@ def test_ner_gives_a_decoders_pre_split_words_their_form_after_a_space(sequence)
     encoding = tokenizer(words, is_split_into_words=True)
     assert encoding.tokens() == ["Ġ", *"john", "Ġ", *"works"]
     assert encoding.word_ids() == [0] * 5 + [1] * 6
+
+
+def test_the_merge_after_training_holds_the_weights_the_trainer_evaluates_with(tmp_path):
+    """--merge_lora with --ema_decay: the merged model computes what the adapter model computes with the EMA swapped
+    in (not its raw weights), so the saved, evaluated and reloaded model is the EMA's."""
+    from transformers import default_data_collator
+
+    from common import merge_trained_adapter
+
+    model = lora_llama("seq")
+    data = seq_cls_data()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, ema_decay=0.5), train_dataset=data)
+    trainer.train()
+    batch = {k: v for k, v in default_data_collator([data[i] for i in range(len(data))]).items() if k != "labels"}
+    model.eval()
+    with torch.no_grad():
+        raw = model(**batch).logits
+        with trainer.call_tricks("eval_weights"):
+            ema = model(**batch).logits
+        merge_trained_adapter(trainer)
+        merged = trainer.model.eval()(**batch).logits
+    assert not hasattr(trainer.model, "peft_config") and not torch.allclose(raw, ema, atol=1e-4)
+    torch.testing.assert_close(merged, ema, rtol=1e-5, atol=1e-6)  # W + s B A summed in another order
