@@ -100,7 +100,7 @@ class FoldFailed(RuntimeError):
 def run_fold(job: FoldJob) -> dict:
     """Run one fold (unless it finished with these flags: ``sweep.run_one``); its record. A plain function of a
     :class:`FoldJob`: the local executor's way to run a job, replaced by tests that run folds in this process."""
-    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env)
+    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env, label="kfold")
 
 
 def share_of_cores(jobs: int) -> int:

@@ -577,7 +577,7 @@ def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
     again = subprocess.run([*command[:2], "--jobs", "2", *command[2:]], cwd=ROOT, env=env(), capture_output=True,
                            text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    started = [line for line in again.stdout.splitlines() if line.startswith("[ablation] ")]
+    started = [line for line in again.stdout.splitlines() if line.startswith("[kfold] ") and "--output_dir" in line]
     assert len(started) == 1 and str(out / "fold1") in started[0]
     assert (out / "fold0" / "ablation_log.txt").stat().st_mtime_ns == first_fold
     results = json.loads((out / "all_results.json").read_text())
