@@ -57,6 +57,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
+from teacher import with_teacher
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from nlp_tricks import TricksArguments, TricksTrainer
@@ -172,6 +173,15 @@ class ClassificationDataArguments(DataArguments):
         default=128,
         metadata={
             "help": "Tokens per text (per pair with --text_pair_column) after tokenization; longer are truncated."
+        },
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distil a teacher: a model folder, an ensemble folder or a k-fold run (recipes/kfold.py: "
+            "out-of-fold targets for the rows it trained on) over the same labels, of any architecture and "
+            "tokenizer. Its soft target per text (its class probabilities) is each training example's "
+            "teacher_logits (--distill_temperature, --distill_alpha). See docs/recipes.md, K-fold ensembles."
         },
     )
 
@@ -560,6 +570,10 @@ def main() -> None:
             data_args, tokenizer, labels, train_examples, eval_examples
         )
     predict, split_metrics = _setup_metrics(data_args, labels, eval_datasets)
+    train_dataset, collator = with_teacher(  # --teacher: soft targets (teacher_logits) on every training example
+        "classification", (data_args, model_args, training_args), labels, train_examples, train_dataset, tokenizer,
+        DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+    )  # fmt: skip
     trainer = build_trainer(
         TricksTrainer,
         training_args,
@@ -567,7 +581,7 @@ def main() -> None:
         eval_datasets,
         model=model,
         processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+        data_collator=collator,
         compute_metrics=split_metrics.get("validation"),
         preprocess_logits_for_metrics=predict,
     )

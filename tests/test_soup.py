@@ -140,8 +140,10 @@ def _adapter(path, seed, rank=2, config=None):
         "base_model.model.classifier.modules_to_save.weight": torch.randn(3, 6),
     }
     save_file(tensors, path / "adapter_model.safetensors")
-    settings = {"peft_type": "LORA", "task_type": "SEQ_CLS", "base_model_name_or_path": "base", "r": rank,
-                "lora_alpha": 4, "target_modules": ["layer"], "modules_to_save": ["classifier"], **(config or {})}  # fmt: skip
+    settings = {"peft_type": "LORA", "task_type": "SEQ_CLS", "base_model_name_or_path": "base", "r": rank}
+    settings.update(
+        {"lora_alpha": 4, "target_modules": ["layer"], "modules_to_save": ["classifier"], **(config or {})}
+    )
     (path / "adapter_config.json").write_text(json.dumps(settings))
     return tensors
 

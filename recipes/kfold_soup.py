@@ -1,0 +1,92 @@
+"""Soups of the k-fold runner (``--soup {uniform,greedy}``): the fold models' weights averaged into one model in
+``DIR/soup/`` (the full-fit seeds' in ``DIR/full_fit/soup/``), which predicts at one model's cost
+(:mod:`nlp_tricks.soup`).
+
+The greedy soup selects on ``--validation_file`` given after ``--`` when there is one (no member saw it). Without
+it, fold models select on the training rows, each scored in its held-out fold's place (the pooled held-out parts):
+a soup of two or more fold models has seen every one of those rows in some member, so that score is optimistic,
+and it favours keeping members; full-fit seeds, which saw every row, need the validation file (refused otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from kfold_outputs import calibration, main_scores
+
+from nlp_tricks.runtime.checkpoint import load_state_dict_portable
+from nlp_tricks.soup import check_soup_members, greedy_soup, read_member_state, uniform_soup, write_soup
+
+from ensemble_folder import prediction_args, rescore
+
+if TYPE_CHECKING:
+    from kfold import KFold
+
+
+def run_soups(run: KFold, predicted: dict | None, seed_outputs: list | None) -> dict:
+    """The soups asked for: of the folds (``soup_`` results) and of the full-fit seeds (``full_fit_soup_``)."""
+    results = {}
+    if run.args.folds:
+        members = [run.out / f"fold{k}" for k in range(run.args.folds)]
+        results.update(make_soup(run, members, run.out / "soup", "soup_"))
+    if run.args.full_fit_seeds:
+        members = [run.out / "full_fit" / f"seed{k}" for k in range(run.args.full_fit_seeds)]
+        results.update(make_soup(run, members, run.out / "full_fit" / "soup", "full_fit_soup_"))
+    return results
+
+
+def selection_set(run: KFold) -> tuple[str, list[dict]]:
+    """What a greedy soup is selected on: the validation split given after ``--``, else the training rows."""
+    if run.data_args.validation_file is not None:
+        splits, _ = run.task.read_eval_splits(run.data_args, run.labels)
+        return f"validation: {run.data_args.validation_file}", splits["validation"]
+    return "the training rows, pooled over the held-out folds (optimistic: every row trained some member)", run.train
+
+
+def make_soup(run: KFold, members: list[Path], folder: Path, prefix: str) -> dict:
+    """The soup of ``members`` (``run.args.soup``) written to ``folder`` with its test predictions and
+    ``all_results.json``; its results under ``prefix``."""
+    from common import write_json_atomic
+
+    task, labels, metric = run.task, run.labels, getattr(run.task.recipe, "MAIN_METRIC", "f1")
+    check_soup_members(members)
+    (folder / "all_results.json").unlink(missing_ok=True)
+    states = [read_member_state(m) for m in members]
+    model, tokenizer = task.load_member(members[0], run.model_args, labels)
+    args = prediction_args(run.training_args, folder)
+    info = {"soup": run.args.soup, "members": [m.name for m in members]}
+    if run.args.soup == "greedy":
+        info["selection"], examples = selection_set(run)
+        gold = task.gold(examples)
+
+        def score(indices: list[int]) -> float:
+            load_state_dict_portable(model, uniform_soup([states[i] for i in indices]))
+            output = task.predict(model, tokenizer, examples, labels, run.data_args, args)
+            return float(task.score(gold, task.combine([output], labels), labels, run.data_args)[metric])
+
+        chosen = greedy_soup(len(members), score)
+        info.update(kept=[members[i].name for i in chosen.members], selection_score=chosen.score,
+                    member_scores=chosen.member_scores, trials=chosen.trials)  # fmt: skip
+        states = [states[i] for i in chosen.members]
+    state = uniform_soup(states)
+    load_state_dict_portable(model, state)
+    write_soup(state, members[0], folder, info)
+    results = {"members": info.get("kept", info["members"]), "selection": info.get("selection")}
+    if run.test is not None:
+        start = time.perf_counter()
+        output = task.predict(model, tokenizer, run.test, labels, run.data_args, args)
+        results["test_predict_seconds"] = time.perf_counter() - start
+        task.write(folder / task.predictions_file, run.test, task.combine([output], labels), run.data_args)
+        if task.name == "classification":
+            probabilities = task.probabilities([output])
+            np.save(folder / "test_probabilities.npy", probabilities)
+            results.update(calibration(task, probabilities, run.test, labels))
+        scores = main_scores(task, rescore(task, folder / task.predictions_file, labels))
+        results.update({f"test_{key}": value for key, value in scores.items()})
+    if "selection_score" in info:
+        results[f"selection_{metric}"] = info["selection_score"]
+    write_json_atomic(folder / "all_results.json", {**results, "label_list": labels})
+    return {f"{prefix}{key}": value for key, value in results.items()}
