@@ -148,11 +148,23 @@ def _read_json(path: str) -> dict:
 
 
 def _tokenizer_digest(folder: str) -> dict[str, str]:
-    return {
-        name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
-        for name in TOKENIZER_FILES
-        if os.path.isfile(os.path.join(folder, name))
-    }
+    """A digest of each vocabulary file; ``tokenizer.json`` without its ``truncation`` / ``padding`` state (the last
+    call's settings, saved with it)."""
+    digests = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        if name == "tokenizer.json":
+            try:
+                saved = json.loads(data)
+            except ValueError as err:
+                raise SoupError(f"{path}: cannot read it ({err})") from None
+            data = json.dumps({k: v for k, v in saved.items() if k not in ("truncation", "padding")}).encode()
+        digests[name] = hashlib.sha256(data).hexdigest()
+    return digests
 
 
 def is_adapter_folder(folder: str | os.PathLike) -> bool:

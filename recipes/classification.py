@@ -57,7 +57,6 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from teacher import with_teacher
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from nlp_tricks import TricksArguments, TricksTrainer
@@ -90,6 +89,7 @@ from common import (
     warn,
 )
 from ensemble_folder import predict_with_ensemble
+from teacher import with_teacher
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {

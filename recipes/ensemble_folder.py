@@ -36,7 +36,7 @@ import numpy as np
 from nlp_tricks.data import DataError
 
 from ensemble_ner import NerEnsembleTask, NerSpanEnsembleTask
-from ensemble_tasks import ClassificationEnsembleTask, EnsembleTask, MemberOutput
+from ensemble_tasks import ClassificationEnsembleTask, EnsembleTask, MemberOutput, check_member_labels
 
 # The recipes, the k-fold runner and the tests read these here; the tasks live in ensemble_tasks.py (the protocol,
 # classification) and ensemble_ner.py (NER: words, CRFs, spans).
@@ -108,6 +108,7 @@ def read_manifest(folder: str | Path, recipe: str) -> dict:
     for member in manifest["members"]:
         if not (Path(folder) / member / "config.json").is_file():
             raise DataError(path, None, f"member {member!r}: no model in {Path(folder) / member}")
+        check_member_labels(Path(folder) / member, manifest["labels"])  # before any member predicts
     return manifest
 
 

@@ -56,15 +56,9 @@ import sys
 import time
 from pathlib import Path
 
-import kfold_args
-from kfold_full_fit import run_full_fit
-from kfold_outputs import main_scores, write_test_ensemble
-from kfold_plan import FoldFailed, FoldJob, best_checkpoint_flags, member_flags, member_seed, training_steps
-from kfold_rules import run_rules
-from kfold_soup import run_soups
-
 from nlp_tricks.data import DataError
 
+import kfold_args
 import sweep
 from ensemble_folder import TASKS, EnsembleTask, NerSpanEnsembleTask, predict_members, prediction_args, rescore
 from kfold_data import (
@@ -78,6 +72,11 @@ from kfold_data import (
     strip_flags,
     write_if_changed,
 )
+from kfold_full_fit import run_full_fit
+from kfold_outputs import main_scores, write_test_ensemble
+from kfold_plan import FoldFailed, FoldJob, best_checkpoint_flags, member_flags, member_seed, training_steps
+from kfold_rules import run_rules
+from kfold_soup import run_soups
 from kfold_student import pseudo_labels, student_flags, train_student
 
 # Names the tests and other runners read here.

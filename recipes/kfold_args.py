@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from kfold_plan import FOLD_SELECT, FOLD_STEPS
-
 import sweep
 from ablation import multi_label_requested
 from ensemble_folder import TASKS
 from kfold_data import REFUSED_FLAGS, given_flags
+from kfold_plan import FOLD_SELECT, FOLD_STEPS
 
 if TYPE_CHECKING:
     from kfold import KFold

@@ -7,10 +7,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ensemble_folder import predict_members, prediction_args
 from kfold_outputs import write_test_ensemble
 from kfold_plan import FoldJob, member_flags, member_seed, training_steps
-
-from ensemble_folder import predict_members, prediction_args
 
 if TYPE_CHECKING:
     from kfold import KFold

@@ -348,9 +348,8 @@ def read_rule(folder: str | Path) -> dict | None:
 def run_rules(run: KFold, predicted: dict) -> dict:
     """Fit the rule on the out-of-fold rows (this run's and ``--fit_rule_runs``'), store it beside the manifest,
     write ``DIR/rule/`` (the cross-fitted out-of-fold and the test predictions after it); ``rule_`` results."""
-    from kfold_outputs import main_scores
-
     from common import write_json_atomic
+    from kfold_outputs import main_scores
 
     task, labels, args = run.task, run.labels, run.args
     folders = [run.out, *map(Path, args.fit_rule_runs)]

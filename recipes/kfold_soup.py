@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kfold_outputs import calibration, main_scores
 
 from nlp_tricks.runtime.checkpoint import load_state_dict_portable
 from nlp_tricks.soup import check_soup_members, greedy_soup, read_member_state, uniform_soup, write_soup
 
 from ensemble_folder import prediction_args, rescore
+from kfold_outputs import calibration, main_scores
 
 if TYPE_CHECKING:
     from kfold import KFold

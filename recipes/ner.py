@@ -69,7 +69,6 @@ from pathlib import Path
 
 import numpy as np
 from datasets import Dataset
-from teacher import check_teacher, with_teacher
 from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification
 
 from nlp_tricks import TricksArguments, TricksTrainer
@@ -128,6 +127,7 @@ from ner_spans import (
     span_types,
     tokenize_span_data,
 )
+from teacher import check_teacher, with_teacher
 
 # What other recipes, the k-fold ensembles and the tests read of this recipe; the code lives in ner_data.py (tagged
 # data), ner_spans.py (--span_head) and ner_outputs.py (metrics and prediction files).
