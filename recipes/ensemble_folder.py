@@ -108,7 +108,6 @@ def read_manifest(folder: str | Path, recipe: str) -> dict:
     for member in manifest["members"]:
         if not (Path(folder) / member / "config.json").is_file():
             raise DataError(path, None, f"member {member!r}: no model in {Path(folder) / member}")
-        check_member_labels(Path(folder) / member, manifest["labels"])  # before any member predicts
     return manifest
 
 
@@ -234,6 +233,8 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
     manifest = read_manifest(folder, recipe)
     task = task_of_members(recipe, folder, manifest["members"])
     labels = manifest["labels"]
+    for member in manifest["members"]:  # every member's labels checked before any member predicts
+        check_member_labels(Path(folder) / member, labels)
     out = Path(training_args.output_dir)
     prepare_output_dir(out, data_args.overwrite_output_dir, reads=(folder,))
     splits, sources = task.read_eval_splits(data_args, labels)
