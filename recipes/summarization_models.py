@@ -26,6 +26,7 @@ from common import (
     ModelArguments,
     load_config_and_tokenizer,
     load_weights,
+    one_line_load_errors,
     resolve_model_path,
 )
 
@@ -198,14 +199,18 @@ def load_model_and_tokenizer(model_args: SummarizationModelArguments):
     config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, remote)
     if not state_dict_file and is_causal_lm(config):
         return load_causal_lm(source, config, tokenizer, remote), tokenizer
+    flag = f"--model_name_or_path {model_args.model_name_or_path}"
     if config.is_encoder_decoder:
-        return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
+        with one_line_load_errors(flag, source):
+            return AutoModelForSeq2SeqLM.from_pretrained(source, trust_remote_code=remote), tokenizer
     if state_dict_file:
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = EncoderDecoderModel(EncoderDecoderConfig.from_encoder_decoder_configs(config, copy.deepcopy(config)))
-        load_state_dict_portable(model, path)
+        with one_line_load_errors(flag, path):
+            load_state_dict_portable(model, path)
     else:
-        model = EncoderDecoderModel.from_encoder_decoder_pretrained(source, source)
+        with one_line_load_errors(flag, source):
+            model = EncoderDecoderModel.from_encoder_decoder_pretrained(source, source)
     # BERT has no decoder start or end token: generation starts at [CLS] and stops at [SEP].
     for cfg in (model.config, model.generation_config):
         cfg.decoder_start_token_id = tokenizer.cls_token_id

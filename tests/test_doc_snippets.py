@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 FRAGMENT = re.compile(r"# fragment: \S.*")
+QUOTED = re.compile(r"<!-- from \S+ -->\n\Z")  # the line before a block of quoted source
 OLD_PATHS = sorted(set(MOVED) - PUBLIC, key=len, reverse=True)
 
 # Blocks that run slower than the default suite's budget allows, by page and a line of theirs (none so far).
@@ -30,6 +31,8 @@ def _blocks() -> list[tuple[str, int, str]]:
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         for match in BLOCK.finditer(text):
+            if QUOTED.search(text[: match.start()]):
+                continue  # quoted source (`<!-- from PATH -->`): tests/test_loss_table.py checks it against the file
             found.append((str(page.relative_to(ROOT)), text[: match.start()].count("\n") + 1, match.group(1)))
     return found
 

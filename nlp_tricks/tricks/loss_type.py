@@ -3,7 +3,7 @@ configured loss on the logits.
 
 Each loss type is one :class:`LossEntry` of :data:`LOSS_TABLE`: its function (in
 :mod:`nlp_tricks.functional.losses`), its own fields of :class:`LossArguments` and what it composes with. The loss
-(:meth:`LossFunction.compute_loss`), the validation and the summary (the model card's lines) read the table; adding a
+(:meth:`LossTypeTrick.compute_loss`), the validation and the summary (the model card's lines) read the table; adding a
 loss is its function, its entry and its fields (docs/tricks.md, "Adding a loss").
 
 A loss's own field counts as set when its value differs from its default: one set while another ``loss_type`` is
@@ -30,9 +30,11 @@ from ..functional.losses import (
     parse_class_weights,
     poly1_loss,
 )
-from ..trick import LossBatch, Trick
+from ..functional.models import unwrap_model
+from ..trick import LossBatch
+from .base import BuiltInTrick
 
-__all__ = ["LossFunction", "LossArguments", "LossEntry", "LOSS_TABLE", "LOSS_TYPES"]
+__all__ = ["LossTypeTrick", "LossFunction", "LossArguments", "LossEntry", "LOSS_TABLE", "LOSS_TYPES"]
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +216,7 @@ def _is_set(args, name: str) -> bool:
     return getattr(args, name) != _DEFAULTS[name]
 
 
-class LossFunction(Trick):
+class LossTypeTrick(BuiltInTrick):
     """``loss_type`` on ``logits / temperature`` (float32), weighted by ``class_weights``: the last trick asked for
     the loss, so it is always there (plain cross-entropy when nothing is set). What each loss takes is its
     :data:`LOSS_TABLE` entry."""
@@ -228,8 +230,8 @@ class LossFunction(Trick):
         self.class_weights: torch.Tensor | None = None
 
     @classmethod
-    def from_args(cls, args) -> LossFunction:
-        return cls(args)
+    def enabled(cls, args) -> bool:
+        return True
 
     @property
     def entry(self) -> LossEntry:
@@ -292,7 +294,7 @@ class LossFunction(Trick):
         weights = self.args.class_weights
         if weights is None:
             return None
-        config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+        config = getattr(unwrap_model(trainer.model), "config", None)
         num_labels = getattr(config, "num_labels", None)
         if weights == "balanced":
             labels = _dataset_labels(trainer.train_dataset)
@@ -376,7 +378,7 @@ def _validate_smoothing(args, entry: LossEntry) -> None:
 
 def _class_names(trainer) -> list[str]:
     """The model's class names in id order (``config.id2label``; none without one)."""
-    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    config = getattr(unwrap_model(trainer.model), "config", None)
     id2label = getattr(config, "id2label", None) or {}
     return [str(id2label[i]) for i in sorted(id2label)]
 
@@ -396,3 +398,6 @@ def _dataset_labels(dataset):
 def _smoothing(args) -> float:
     """``label_smoothing_factor`` (a ``TrainingArguments`` field; 0 where the arguments have none)."""
     return getattr(args, "label_smoothing_factor", 0.0)
+
+
+LossFunction = LossTypeTrick  # its name before the built-ins were named <Flag>Trick

@@ -30,7 +30,7 @@ from .data import (
     load_splits,
     map_options,
 )
-from .errors import refusals_of_the_model
+from .errors import one_line_load_errors, refusals_of_the_model
 from .models import (
     DEMO_MODELS,
     check_saved_crf,
@@ -76,6 +76,7 @@ __all__ = [
     "logger",
     "map_options",
     "model_holds_crf",
+    "one_line_load_errors",
     "own_rows",
     "parse_recipe_args",
     "prepare_output_dir",

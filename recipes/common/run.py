@@ -13,10 +13,10 @@ import torch
 from nlp_tricks.data import DataError
 from nlp_tricks.model_card import write_model_card
 from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
-from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
-from nlp_tricks.runtime.lock import OutputDirBusyError
+from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError, is_disk_full
+from nlp_tricks.runtime.lock import NotDistributedError, OutputDirBusyError
 from nlp_tricks.runtime.preemption import PREEMPTED_EXIT_CODE, describe_stop
-from nlp_tricks.runtime.resume import get_last_complete_checkpoint
+from nlp_tricks.runtime.resume import CheckpointResumeError, get_last_complete_checkpoint
 
 from .outputs import output_dir_locks, write_json_atomic
 from .process import is_main_process
@@ -48,21 +48,32 @@ def use_every_core() -> None:
 
 
 def run_recipe(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`~nlp_tricks.data.DataError` or an ``--output_dir`` another run holds ends it with one
-    line on stderr and exit status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk
-    while saving a checkpoint with status 74 (``NO_SPACE_EXIT_CODE``).
+    """Run ``main``; a :class:`~nlp_tricks.data.DataError`, an ``--output_dir`` another run holds or a checkpoint
+    that cannot be resumed ends it with one line on stderr and exit status 1, a diverged training run with status 3
+    (``DIVERGED_EXIT_CODE``), a full disk while saving with status 74 (``NO_SPACE_EXIT_CODE``).
 
-    Only rank 0 prints, so a launched job with N processes shows the line once. Nothing else is caught: a bug keeps
-    its traceback. The output folder's lock is released when ``main`` ends, however it ends.
+    Only rank 0 prints, so a launched job with N processes shows the line once; the refusal of a job whose arguments
+    are not distributed is printed by every process (each would have trained alone). Nothing else is caught: a bug
+    keeps its traceback. The output folder's lock is released when ``main`` ends, however it ends.
     """
     use_every_core()
     try:
         main()
-    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError) as err:
+    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError, CheckpointResumeError) as err:
         if is_main_process():
             print(str(err), file=sys.stderr, flush=True)
         codes = {TrainingDivergedError: DIVERGED_EXIT_CODE, NoSpaceLeftError: NO_SPACE_EXIT_CODE}
         sys.exit(next((code for kind, code in codes.items() if isinstance(err, kind)), 1))
+    except NotDistributedError as err:  # every process says it, in one write: the lines of two do not mix
+        sys.stderr.write(f"{err}\n")
+        sys.stderr.flush()
+        sys.exit(1)
+    except OSError as err:  # a full disk outside a save that names its file (the trainer state, the results)
+        if not is_disk_full(err):
+            raise
+        if is_main_process():
+            print(f"no space left on device: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(NO_SPACE_EXIT_CODE)
     finally:
         while output_dir_locks:
             output_dir_locks.pop().release()
