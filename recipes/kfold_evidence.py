@@ -56,24 +56,22 @@ import numpy as np
 from nlp_tricks.data import DataError, split_examples
 
 from ensemble_folder import TASKS
-from kfold_data import cut_folds, example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
+from kfold_data import (
+    RUNNER_FLAGS,
+    cut_folds,
+    example_record,
+    jsonl_text,
+    read_training_data,
+    strip_flags,
+    write_if_changed,
+)
 from sweep import run_one
 
 HERE = Path(__file__).resolve().parent
 BASELINES = {"ner": "gazetteer", "classification": "tfidf_lr"}
-# The flags this script sets for every run: after --, they only choose the data it reads.
-DATA_FLAGS = (
-    "output_dir",
-    "overwrite_output_dir",
-    "train_file",
-    "validation_file",
-    "test_file",
-    "dataset_name",
-    "dataset_config_name",
-    "max_train_samples",
-    "max_eval_samples",
-    "split_seed",
-    "tag_names",
+# The flags this script sets for every run: after --, they only choose the data it reads (the k-fold runner's own,
+# but the tag scheme and span types, which the single model keeps as given).
+DATA_FLAGS = tuple(name for name in RUNNER_FLAGS if name not in ("tag_scheme", "entity_types")) + (
     "seed",
     "num_folds",
     "fold",

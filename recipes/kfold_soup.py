@@ -52,9 +52,11 @@ def make_soup(run: KFold, members: list[Path], folder: Path, prefix: str) -> dic
     from common import write_json_atomic
 
     task, labels, metric = run.task, run.labels, getattr(run.task.recipe, "MAIN_METRIC", "f1")
-    check_soup_members(members)
+    kind = check_soup_members(members)
     (folder / "all_results.json").unlink(missing_ok=True)
     states = [read_member_state(m) for m in members]
+    if kind == "adapter":
+        return adapter_soup(run, members, states, folder, prefix)
     model, tokenizer = task.load_member(members[0], run.model_args, labels)
     args = prediction_args(run.training_args, folder)
     info = {"soup": run.args.soup, "members": [m.name for m in members]}
@@ -68,8 +70,12 @@ def make_soup(run: KFold, members: list[Path], folder: Path, prefix: str) -> dic
             return float(task.score(gold, task.combine([output], labels), labels, run.data_args)[metric])
 
         chosen = greedy_soup(len(members), score)
-        info.update(kept=[members[i].name for i in chosen.members], selection_score=chosen.score,
-                    member_scores=chosen.member_scores, trials=chosen.trials)  # fmt: skip
+        info.update(
+            kept=[members[i].name for i in chosen.members],
+            selection_score=chosen.score,
+            member_scores=chosen.member_scores,
+            trials=chosen.trials,
+        )
         states = [states[i] for i in chosen.members]
     state = uniform_soup(states)
     load_state_dict_portable(model, state)
@@ -89,4 +95,25 @@ def make_soup(run: KFold, members: list[Path], folder: Path, prefix: str) -> dic
     if "selection_score" in info:
         results[f"selection_{metric}"] = info["selection_score"]
     write_json_atomic(folder / "all_results.json", {**results, "label_list": labels})
+    return {f"{prefix}{key}": value for key, value in results.items()}
+
+
+def adapter_soup(run: KFold, members: list[Path], states: list[dict], folder: Path, prefix: str) -> dict:
+    """LoRA adapter members: their tensors averaged one by one into one adapter in ``folder`` (uniform only: the
+    greedy soup scores candidate models, and an adapter predicts through the recipe that loads it)."""
+    from nlp_tricks.data import DataError
+
+    from common import write_json_atomic
+
+    if run.args.soup == "greedy":
+        raise DataError(
+            members[0],
+            None,
+            "--soup greedy: the members are LoRA adapters, averaged tensor by tensor "
+            "without scoring candidates here; use --soup uniform",
+        )
+    info = {"soup": "uniform", "kind": "adapter", "members": [m.name for m in members]}
+    write_soup(uniform_soup(states), members[0], folder, info)
+    results = {"members": info["members"], "kind": "adapter (tensor by tensor; no test predictions here)"}
+    write_json_atomic(folder / "all_results.json", {**results, "label_list": run.labels})
     return {f"{prefix}{key}": value for key, value in results.items()}

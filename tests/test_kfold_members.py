@@ -477,3 +477,27 @@ def test_full_fit_seeds_alone_and_refusals(tiny_model, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             kfold.main(base, run=run_here)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, extra
+
+
+def test_rules_of_several_runs_average_their_parameters(run, tmp_path):
+    """--fit_rule_runs: each run's rule fitted on its own out-of-fold rows, the biases averaged, the temperatures
+    averaged geometrically (another run here: the same files with other out-of-fold probabilities)."""
+    from kfold_rules import fit_rule
+
+    runs = []
+    for k, power in enumerate((1.0, 3.0)):
+        copy = tmp_path / f"run{k}"
+        shutil.copytree(
+            run["out"], copy, ignore=shutil.ignore_patterns("fold?", "full_fit", "soup", "student", "rule")
+        )
+        probabilities = np.load(copy / "oof_probabilities.npy").astype(np.float64) ** power
+        np.save(copy / "oof_probabilities.npy", probabilities / probabilities.sum(1, keepdims=True))
+        runs.append(copy)
+    data_args = TASKS["classification"].parse(["--train_file", str(run["tmp"] / "train.csv")])[0]
+    task, names = TASKS["classification"], ["temperature", "bias"]
+    alone = [fit_rule([r], task, LABELS, names, 1.0, data_args) for r in runs]
+    both = fit_rule(runs, task, LABELS, names, 1.0, data_args)
+    assert alone[0]["temperature"] != pytest.approx(alone[1]["temperature"])
+    assert both["temperature"] == pytest.approx(np.sqrt(alone[0]["temperature"] * alone[1]["temperature"]))
+    assert both["bias"] == pytest.approx([(a + b) / 2 for a, b in zip(alone[0]["bias"], alone[1]["bias"])])
+    assert both["runs"] == [str(r) for r in runs]
