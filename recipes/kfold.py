@@ -37,9 +37,10 @@ default; ``epochs``: the recipe's epochs over the fold's data) with its own seed
 with ``--fold_select best`` keeps its checkpoint that scores best on its held-out fold. ``--full_fit_seeds N`` also
 trains N models on all the training data (``DIR/full_fit/seed{k}/``; ``DIR/full_fit/`` is their ensemble folder);
 ``--folds 0`` trains only those. ``--soup {uniform,greedy}`` averages the fold models' weights into one model
-(``DIR/soup/``; the seeds': ``DIR/full_fit/soup/``). ``--fit_rule`` fits decision rules (per-class bias, per-type
-thresholds, temperature) on the out-of-fold predictions, stored in ``DIR/decision_rule.json`` and applied when
-``DIR`` predicts (``DIR/rule/``: the test split after them). ``--teacher DIR2`` gives the student another teacher.
+(``DIR/soup/``; with ``--folds 0`` the seeds', ``DIR/full_fit/soup/``). ``--fit_rule`` fits decision rules
+(per-class bias, per-type thresholds, temperature) on the out-of-fold predictions, stored in
+``DIR/decision_rule.json`` and applied when ``DIR`` predicts (``DIR/rule/``: the test split after them).
+``--teacher DIR2`` gives the student another teacher.
 
 Runs (``recipes/sweep.py``, the ablation's executor): ``--jobs N`` folds at a time, each in its own process with its
 share of the cores (``OMP_NUM_THREADS``) and, with GPUs visible, its own GPU (``CUDA_VISIBLE_DEVICES``,
@@ -354,12 +355,10 @@ class KFold:
         if self.args.distill:
             self.task.parse(student_flags(self))  # the student's flags are checked before any fold trains
         results, predicted = self.run_rounds() if self.args.folds else ({}, None)
-        seed_outputs = None
         if self.args.full_fit_seeds:
-            full_fit, seed_outputs = run_full_fit(self)
-            results.update(full_fit)
+            results.update(run_full_fit(self))
         if self.args.soup:
-            results.update(run_soups(self, predicted, seed_outputs))
+            results.update(run_soups(self))
         if self.args.fit_rule:
             results.update(run_rules(self, predicted))
         if self.args.distill:

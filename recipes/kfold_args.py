@@ -106,9 +106,9 @@ def _member_flags(p: argparse.ArgumentParser) -> None:
         "--soup",
         default="none",
         choices=SOUPS,
-        help="average the fold models' weights (and the full-fit seeds', in DIR/full_fit/soup/) into one "
-        "model in DIR/soup/: uniform, or greedy (Wortsman et al. 2022: best member first, each next kept "
-        "when the selection score does not drop; selected on --validation_file given after --, else on "
+        help="average the fold models' weights into one model in DIR/soup/ (with --folds 0, the full-fit "
+        "seeds' in DIR/full_fit/soup/): uniform, or greedy (Wortsman et al. 2022: best member first, each next "
+        "kept when the selection score does not drop; selected on --validation_file given after --, else on "
         "the training rows' held-out folds)",
     )
 
@@ -223,8 +223,8 @@ def check_parsed(p: argparse.ArgumentParser, args, run: KFold) -> None:
         p.error("--fit_rule threshold: per-type span thresholds need --span_head after --; tagging takes bias")
     if span_head is not None and "bias" in args.fit_rule:
         p.error(f"--fit_rule bias with --span_head {span_head}: a span head takes per-type thresholds (threshold)")
-    if args.soup == "greedy" and args.full_fit_seeds and run.data_args.validation_file is None:
+    if args.soup == "greedy" and not args.folds and run.data_args.validation_file is None:
         p.error(
-            "--soup greedy with --full_fit_seeds: the seed models saw every training row; give --validation_file "
-            "after -- to select on, or --soup uniform"
+            "--soup greedy with --folds 0: the seed models saw every training row; give --validation_file after -- "
+            "to select on, or --soup uniform"
         )

@@ -38,10 +38,9 @@ def full_fit_jobs(run: KFold) -> list[FoldJob]:
     return jobs
 
 
-def run_full_fit(run: KFold) -> tuple[dict, list]:
+def run_full_fit(run: KFold) -> dict:
     """Train the seeds (resumable, as the folds), ensemble them on the test split, write ``DIR/full_fit/`` (its
-    files, manifest and ``all_results.json``); the ``full_fit_`` results for ``DIR/all_results.json`` and the seeds'
-    test outputs."""
+    files, manifest and ``all_results.json``); the ``full_fit_`` results for ``DIR/all_results.json``."""
     from common import write_json_atomic
 
     folder = full_fit_dir(run)
@@ -72,4 +71,4 @@ def run_full_fit(run: KFold) -> tuple[dict, list]:
         }
     )
     write_json_atomic(folder / "all_results.json", results)
-    return {f"full_fit_{key}": value for key, value in results.items() if key != "label_list"}, outputs
+    return {f"full_fit_{key}": value for key, value in results.items() if key != "label_list"}

@@ -1,5 +1,5 @@
 """Soups of the k-fold runner (``--soup {uniform,greedy}``): the fold models' weights averaged into one model in
-``DIR/soup/`` (the full-fit seeds' in ``DIR/full_fit/soup/``), which predicts at one model's cost
+``DIR/soup/`` (with ``--folds 0``, the full-fit seeds' in ``DIR/full_fit/soup/``), which predicts at one model's cost
 (:mod:`nlp_tricks.soup`).
 
 The greedy soup selects on ``--validation_file`` given after ``--`` when there is one (no member saw it). Without
@@ -26,16 +26,14 @@ if TYPE_CHECKING:
     from kfold import KFold
 
 
-def run_soups(run: KFold, predicted: dict | None, seed_outputs: list | None) -> dict:
-    """The soups asked for: of the folds (``soup_`` results) and of the full-fit seeds (``full_fit_soup_``)."""
-    results = {}
+def run_soups(run: KFold) -> dict:
+    """The soup of the fold models (``soup_`` results), or with ``--folds 0`` of the full-fit seeds
+    (``full_fit_soup_``)."""
     if run.args.folds:
         members = [run.out / f"fold{k}" for k in range(run.args.folds)]
-        results.update(make_soup(run, members, run.out / "soup", "soup_"))
-    if run.args.full_fit_seeds:
-        members = [run.out / "full_fit" / f"seed{k}" for k in range(run.args.full_fit_seeds)]
-        results.update(make_soup(run, members, run.out / "full_fit" / "soup", "full_fit_soup_"))
-    return results
+        return make_soup(run, members, run.out / "soup", "soup_")
+    members = [run.out / "full_fit" / f"seed{k}" for k in range(run.args.full_fit_seeds)]
+    return make_soup(run, members, run.out / "full_fit" / "soup", "full_fit_soup_")
 
 
 def selection_set(run: KFold) -> tuple[str, list[dict]]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_kfold import NER_TRAIN, _token_classifier, ner_columns, run_here, seqeval_scores, tiny_flags
 
 from recipe_helpers import TEST_CONLL, run_in_process
-from test_kfold import NER_TRAIN, _token_classifier, ner_columns, run_here, seqeval_scores, tiny_flags
 
 import kfold
 from ensemble_folder import TASKS
