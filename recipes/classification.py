@@ -73,11 +73,14 @@ from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
 from common import (
+    ENCODER_DEFAULTS,
+    TABLE_TRAIN_FILE_HELP,
     DataArguments,
     ModelArguments,
     build_trainer,
     check_label_arguments,
     data_record,
+    dataset_help,
     labelled_splits,
     load_classifier,
     load_splits,
@@ -92,17 +95,7 @@ from ensemble_folder import predict_with_ensemble
 from teacher import with_teacher
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
-RECIPE_DEFAULTS = {
-    "learning_rate": 1e-4,
-    "num_train_epochs": 2,
-    "per_device_train_batch_size": 16,
-    "per_device_eval_batch_size": 64,
-    "weight_decay": 0.01,
-    "head_lr_scale": 10.0,
-    "eval_strategy": "epoch",
-    "logging_steps": 50,
-    "save_strategy": "no",
-}
+RECIPE_DEFAULTS = {**ENCODER_DEFAULTS, "learning_rate": 1e-4}
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
 # The tricks this recipe turns on by default (``--tricks default``) because the cross-validated 3-seed ablation
@@ -125,17 +118,11 @@ ABLATION_CONFIGURATIONS = {
 class ClassificationDataArguments(DataArguments):
     """Where the texts come from and how they are cut."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (BBC News shipped by the demo extra, offline) or a Hub dataset (e.g. ag_news). "
-            "Ignored when --train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."},
-    )
+    FLAG_HELP = {
+        "dataset_name": dataset_help("BBC News shipped by the demo extra", "(e.g. ag_news)"),
+        "train_file": TABLE_TRAIN_FILE_HELP,
+    }
+
     text_column: str = field(default="text", metadata={"help": "Column / field of the text."})
     text_pair_column: str | None = field(
         default=None,

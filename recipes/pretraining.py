@@ -103,26 +103,21 @@ DEMO_DEFAULTS = {"max_train_samples": 1600, "max_eval_samples": 256}
 class PretrainingDataArguments(DataArguments):
     """Where the unlabelled text comes from, how it is packed and masked."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (the BBC News articles of the classification demo, without its test articles; offline) "
+    FLAG_HELP = {
+        "dataset_name": (
+            "'demo' (the BBC News articles of the classification demo, without its test articles; offline) "
             "or a Hub dataset (e.g. wikitext with --dataset_config_name wikitext-2-raw-v1). Ignored with --train_file."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "Unlabelled text: .txt (documents separated by blank lines; one per line if the file has no "
+        ),
+        "train_file": (
+            "Unlabelled text: .txt (documents separated by blank lines; one per line if the file has no "
             "blank line), or CSV (header row) / JSON lines with --text_column."
-        },
-    )
-    validation_file: str | None = field(
-        default=None, metadata={"help": "Held-out text for the masked-LM loss before and after, same formats."}
-    )
-    test_file: str | None = field(
-        default=None, metadata={"help": "More held-out text, same formats: its loss is reported as test_loss."}
-    )
+        ),
+        "validation_file": "Held-out text for the masked-LM loss before and after, same formats.",
+        "test_file": "More held-out text, same formats: its loss is reported as test_loss.",
+        "max_train_samples": "Keep only the first N training blocks. Default: all; the demo: 1600 (100 steps).",
+        "max_eval_samples": "Keep only the first N validation (and test) blocks. Default: all; the demo: 256.",
+    }
+
     text_column: str = field(default="text", metadata={"help": "Column / field of the text (CSV, JSON lines, Hub)."})
     max_seq_length: int = field(
         default=128, metadata={"help": "Tokens per block, special tokens included; documents are packed into blocks."}
@@ -137,14 +132,6 @@ class PretrainingDataArguments(DataArguments):
     validation_split_percentage: float = field(
         default=5.0,
         metadata={"help": "Without validation data: the percentage of training documents held out for it."},
-    )
-    max_train_samples: int | None = field(
-        default=None,
-        metadata={"help": "Keep only the first N training blocks. Default: all; the demo: 1600 (100 steps)."},
-    )
-    max_eval_samples: int | None = field(
-        default=None,
-        metadata={"help": "Keep only the first N validation (and test) blocks. Default: all; the demo: 256."},
     )
     streaming: bool = field(
         default=False,

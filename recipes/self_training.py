@@ -129,18 +129,16 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     """Where the labelled, unlabelled and evaluation data come from: the NER and classification recipes' data
     arguments (each task reads its own), plus the unlabelled data."""
 
-    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
+    FLAG_HELP = {
+        "dataset_name": (
+            "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
             "--train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines."},
-    )
+        ),
+        "train_file": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines.",
+        "split_seed": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction.",
+    }
+
+    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
     unlabeled_file: str | None = field(
         default=None,
         metadata={
@@ -157,9 +155,6 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     )
     max_unlabeled_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N unlabelled examples."}
-    )
-    split_seed: int = field(
-        default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction."}
     )
 
     def __post_init__(self):

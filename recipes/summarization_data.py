@@ -16,7 +16,9 @@ from nlp_tricks.data import arrow_dataset, demo_summarization, file_signature, i
 from nlp_tricks.data.arrow import as_dataset, first_rows
 
 from common import (
+    TABLE_TRAIN_FILE_HELP,
     DataArguments,
+    dataset_help,
     eval_splits,
     load_splits,
     map_options,
@@ -34,17 +36,11 @@ PLAIN_PROMPT_END = "\n\nSummary:"
 class SummarizationDataArguments(DataArguments):
     """Where the documents and summaries come from and how they are cut."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (ACLSum shipped by the demo extra, offline) or a Hub dataset (e.g. cnn_dailymail). "
-            "Ignored when --train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."},
-    )
+    FLAG_HELP = {
+        "dataset_name": dataset_help("ACLSum shipped by the demo extra", "(e.g. cnn_dailymail)"),
+        "train_file": TABLE_TRAIN_FILE_HELP,
+    }
+
     text_column: str = field(default="text", metadata={"help": "Column / field of the document."})
     summary_column: str = field(default="summary", metadata={"help": "Column / field of the summary."})
     source_prefix: str = field(default="", metadata={"help": "Text put before every document (T5: 'summarize: ')."})

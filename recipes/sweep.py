@@ -340,6 +340,20 @@ def gpu_slots(gpus: list[str], gpus_per_run: float) -> list[str]:
     return [gpu for _ in range(share) for gpu in gpus]
 
 
+def finished_outcomes(jobs: list) -> tuple[list[Outcome | None], list[int]]:
+    """``(outcomes, todo)``: the :class:`Outcome` of each job that finished with its flags (``None`` for the
+    others), and the indices of those still to run."""
+    outcomes: list[Outcome | None] = [None] * len(jobs)
+    todo = []
+    for i, job in enumerate(jobs):
+        record = finished_record(job.run_dir, job.flags)
+        if record is None:
+            todo.append(i)
+        else:
+            outcomes[i] = Outcome(job, record)
+    return outcomes, todo
+
+
 class LocalExecutor:
     """Runs on this machine, ``jobs`` at a time, each with its own GPUs where there are GPUs (see the module)."""
 
@@ -390,14 +404,7 @@ class LocalExecutor:
 
     def run(self, jobs: list, out: Path, metric: str | None = None, label: str = "sweep") -> list[Outcome]:
         """Every job (a NamedTuple with :class:`Job`'s fields); an :class:`Outcome` each, in ``jobs``' order."""
-        outcomes: list[Outcome | None] = [None] * len(jobs)
-        todo = []
-        for i, job in enumerate(jobs):
-            record = finished_record(job.run_dir, job.flags)
-            if record is None:
-                todo.append(i)
-            else:
-                outcomes[i] = Outcome(job, record)
+        outcomes, todo = finished_outcomes(jobs)
         progress = Progress(len(jobs), len(jobs) - len(todo), metric, Path(out), label)
         slots: queue.Queue = queue.Queue()
         for slot in self.slots:
@@ -589,14 +596,7 @@ class RayExecutor:
         each, in ``jobs``' order. Raises :class:`SweepError` when a node cannot use the output folder."""
         ray = self.ray
         out = Path(out)
-        outcomes: list[Outcome | None] = [None] * len(jobs)
-        todo = []
-        for i, job in enumerate(jobs):
-            record = finished_record(job.run_dir, job.flags)
-            if record is None:
-                todo.append(i)
-            else:
-                outcomes[i] = Outcome(job, record)
+        outcomes, todo = finished_outcomes(jobs)
         out.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
         marker = out / f".sweep_{token}"

@@ -24,9 +24,10 @@ from transformers import (
     TrainingArguments,
 )
 
-from nlp_tricks import TricksArguments, TricksTrainer, _upstream
+from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.functional.crf import add_crf, load_crf_model
+from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.runtime.averaging import (
     AVERAGING_INFO_NAME,
     EMA,

@@ -21,7 +21,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from nlp_tricks import _upstream
+from nlp_tricks.runtime import upstream as _upstream
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
 
 import kfold

@@ -18,7 +18,14 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 - ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
 """
 
-from .arguments import DataArguments, ModelArguments, RunArguments
+from .arguments import (
+    ENCODER_DEFAULTS,
+    TABLE_TRAIN_FILE_HELP,
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    dataset_help,
+)
 from .config_file import CONFIG_SUFFIXES
 from .data import (
     check_label_arguments,
@@ -52,17 +59,20 @@ from .user_tricks import TrickError, load_trick, trick_specs, user_tricks
 __all__ = [
     "CONFIG_SUFFIXES",
     "DEMO_MODELS",
+    "ENCODER_DEFAULTS",
     "RESULT_OUTPUTS",
     "RUN_OUTPUTS",
     "DataArguments",
     "ModelArguments",
     "RunArguments",
+    "TABLE_TRAIN_FILE_HELP",
     "TrickError",
     "build_trainer",
     "check_label_arguments",
     "check_saved_crf",
     "check_split_labels",
     "data_record",
+    "dataset_help",
     "eval_splits",
     "exit_if_preempted",
     "is_main_process",

@@ -16,7 +16,7 @@ from nlp_tricks.runtime.preemption import set_time_budget
 
 from .arguments import RunArguments
 from .config_file import flag_actions, is_config_file, read_config_file
-from .help import HelpFormatter, as_flags, describe_run_flags, description_of, group_arguments
+from .help import HelpFormatter, as_flags, describe_run_flags, description_of, flag_help, group_arguments
 from .process import warn
 from .user_tricks import TrickError, attach_user_tricks, config_trick_specs, load_user_tricks, trick_specs
 
@@ -124,7 +124,11 @@ def recipe_parser(
     others = tuple(t for t in dataclass_types if t not in trainer_types)
     group_arguments(parser, (*others, RunArguments, *trainer_types))
     parser.error = functools.partial(_one_line_error, parser)
-    describe_run_flags(flag_actions(parser), evidence_defaults, evidence_unless)
+    actions = flag_actions(parser)
+    describe_run_flags(actions, evidence_defaults, evidence_unless)
+    for dtype in dataclass_types:
+        for name, text in flag_help(dtype).items():
+            actions[name].help = text
     for action in parser._actions:
         if action.type is float:
             action.type = finite_float
