@@ -51,6 +51,14 @@ def flags(model: str, *extra: str) -> list[str]:
     ]
 
 
+def predict_through(recipe: str, model: str, test_file: str, out: Path, monkeypatch, *extra: str, batch="4") -> Path:
+    """``recipes/<recipe>.py`` predicting ``test_file`` with ``model`` (a model or ensemble folder) into ``out``."""
+    args = ["--model_name_or_path", model, "--do_train", "false", "--test_file", test_file, "--output_dir", str(out),
+            "--per_device_eval_batch_size", batch, *extra]  # fmt: skip
+    assert run_in_process(recipe, args, monkeypatch) == 0
+    return out
+
+
 def llama_classifier(path: Path, labels: list[str]) -> Path:
     """An untrained tiny Llama sequence classifier over ``labels`` with its own WordLevel tokenizer: another
     architecture and tokenizer than the BERT students."""
@@ -210,20 +218,9 @@ def test_full_fit_seeds_are_an_ensemble_folder_that_predicts_through_the_recipe(
     assert [r["predicted"] for r in rows] == [LABELS[j] for j in (probabilities[0] + probabilities[1]).argmax(1)]
     for key, value in sklearn_scores(rows, LABELS).items():
         assert run["results"][f"full_fit_test_{key}"] == pytest.approx(value, abs=1e-12)
-    predicted = tmp / "predicted_full_fit"
-    args = [
-        "--model_name_or_path",
-        str(folder),
-        "--do_train",
-        "false",
-        "--test_file",
-        str(tmp / "test.csv"),
-        "--output_dir",
-        str(predicted),
-        "--per_device_eval_batch_size",
-        "4",
-    ]
-    assert run_in_process("classification", args, monkeypatch) == 0
+    predicted = predict_through(
+        "classification", str(folder), str(tmp / "test.csv"), tmp / "predicted_full_fit", monkeypatch, batch="4"
+    )
     assert read_csv_rows(predicted / "test_predictions.csv") == rows
 
 
@@ -238,22 +235,16 @@ def test_greedy_soup_is_the_mean_of_the_kept_members_and_predicts_as_one_model(r
         for key, value in soup.items():
             want = (sum(s[key].double() for s in states) / len(states)).to(value.dtype)
             torch.testing.assert_close(value, want, rtol=0, atol=1e-7)  # float64 sums, rounded once
-    predicted = tmp / "predicted_soup"
-    args = [
-        "--model_name_or_path",
+    predicted = predict_through(
+        "classification",
         str(out / "soup"),
-        "--do_train",
-        "false",
+        str(tmp / "test.csv"),
+        tmp / "predicted_soup",
+        monkeypatch,
         "--train_file",
         str(tmp / "train.csv"),
-        "--test_file",
-        str(tmp / "test.csv"),
-        "--output_dir",
-        str(predicted),
-        "--per_device_eval_batch_size",
-        "4",
-    ]
-    assert run_in_process("classification", args, monkeypatch) == 0
+        batch="4",
+    )
     assert read_csv_rows(predicted / "test_predictions.csv") == read_csv_rows(out / "soup" / "test_predictions.csv")
     assert run["results"]["soup_test_f1"] == json.loads((predicted / "all_results.json").read_text())["test_f1"]
 
@@ -322,20 +313,9 @@ def test_rule_oof_is_cross_fitted_and_the_folder_predicts_with_the_rule(run, mon
     for key, value in sklearn_scores(oof, LABELS).items():
         assert run["results"][f"rule_oof_{key}"] == pytest.approx(value, abs=1e-12)
 
-    predicted = tmp / "predicted_rule"
-    args = [
-        "--model_name_or_path",
-        str(out),
-        "--do_train",
-        "false",
-        "--test_file",
-        str(tmp / "test.csv"),
-        "--output_dir",
-        str(predicted),
-        "--per_device_eval_batch_size",
-        "4",
-    ]
-    assert run_in_process("classification", args, monkeypatch) == 0
+    predicted = predict_through(
+        "classification", str(out), str(tmp / "test.csv"), tmp / "predicted_rule", monkeypatch, batch="4"
+    )
     assert read_csv_rows(predicted / "test_predictions.csv") == read_csv_rows(out / "rule" / "test_predictions.csv")
     tempered = np.load(predicted / "test_probabilities.npy")
     raw = np.load(out / "test_probabilities.npy").astype(np.float64)

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 from test_kfold import NER_TRAIN, _token_classifier, ner_columns, run_here, seqeval_scores, tiny_flags
+from test_kfold_members import predict_through
 
 from recipe_helpers import TEST_CONLL, run_in_process
 
 import kfold
 from ensemble_folder import TASKS
-
-pytestmark = pytest.mark.slow  # whole k-fold runs with CRFs and span heads
 
 
 def brute_force_path(emissions, start, transitions, end) -> list[int]:
@@ -72,20 +71,9 @@ def test_crf_type_bias_fitted_out_of_fold_and_applied_by_the_folder(tiny_model, 
     assert results["rule_oof_f1"] == pytest.approx(seqeval_scores(out / "rule" / "oof_predictions.txt")["f1"])
 
     # The folder predicts with its rule: what DIR/rule/ holds.
-    predicted = tmp_path / "predicted"
-    args = [
-        "--model_name_or_path",
-        str(out),
-        "--do_train",
-        "false",
-        "--test_file",
-        str(tmp_path / "test.conll"),
-        "--output_dir",
-        str(predicted),
-        "--per_device_eval_batch_size",
-        "2",
-    ]
-    assert run_in_process("ner", args, monkeypatch) == 0
+    predicted = predict_through(
+        "ner", str(out), str(tmp_path / "test.conll"), tmp_path / "predicted", monkeypatch, batch="2"
+    )
     assert (predicted / "test_predictions.txt").read_text() == (out / "rule" / "test_predictions.txt").read_text()
     assert results["rule_test_f1"] == json.loads((predicted / "all_results.json").read_text())["test_f1"]
 
@@ -148,20 +136,9 @@ def test_span_thresholds_fitted_out_of_fold(tiny_model, tmp_path, monkeypatch):
                 ((e["type"], e["start"], e["end"]) for e in records[i]["entities"]), key=lambda s: (s[1], s[2], s[0])
             )
             assert got == want, i
-    predicted = tmp_path / "predicted"
-    args = [
-        "--model_name_or_path",
-        str(out),
-        "--do_train",
-        "false",
-        "--test_file",
-        str(tmp_path / "test.conll"),
-        "--output_dir",
-        str(predicted),
-        "--per_device_eval_batch_size",
-        "2",
-    ]
-    assert run_in_process("ner", args, monkeypatch) == 0
+    predicted = predict_through(
+        "ner", str(out), str(tmp_path / "test.conll"), tmp_path / "predicted", monkeypatch, batch="2"
+    )
     assert (predicted / "test_predictions.jsonl").read_text() == (out / "rule" / "test_predictions.jsonl").read_text()
 
 
