@@ -23,8 +23,10 @@ from .tricks.ema import EMAArguments
 from .tricks.freeze_layers import FreezeArguments
 from .tricks.head_dropout import HeadDropoutArguments
 from .tricks.layer_decay import ParamGroupArguments
+from .tricks.lookahead import LookaheadArguments
 from .tricks.loraplus import LoraPlusArguments
 from .tricks.loss_type import LOSS_TYPES, LossArguments
+from .tricks.muon import MuonArguments
 from .tricks.pooling import PoolingArguments
 from .tricks.rdrop import RDropArguments
 from .tricks.reinit_layers import ReinitArguments
@@ -49,11 +51,13 @@ class TricksConfig(
     SpanHeadArguments,
     CRFArguments,
     SWAArguments,
+    LookaheadArguments,
     EMAArguments,
     SMARTArguments,
     SAMArguments,
     RDropArguments,
     AdversarialArguments,
+    MuonArguments,
     LoraPlusArguments,
     ParamGroupArguments,
     DistillationArguments,

@@ -82,6 +82,7 @@ def build_param_groups(
     no_decay: Iterable[str] = NO_DECAY_PATTERNS,
     module_lr_scales: Mapping[str, float] | None = None,
     lr_scales: Mapping[str, float] | None = None,
+    param_optimizers: Mapping[str, str] | None = None,
 ) -> list[dict]:
     """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
 
@@ -102,6 +103,9 @@ def build_param_groups(
             multiplies with the head scale and layer decay (a parameter matching several patterns gets their
             product); e.g. ``{r"lora_B": 16.0}`` for LoRA+. The groups are split by the resulting rate, labelled
             ``<label>*<pattern>``.
+        param_optimizers (`Mapping[str, str]`, *optional*): parameter name -> the optimizer that updates it (the
+            ``muon`` trick's matrices: ``"muon"``); those parameters form their own groups (the same lr and weight
+            decay), labelled ``<label>:<optimizer>`` and carrying ``"optimizer": <optimizer>``.
 
     Returns:
         `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
@@ -167,6 +171,8 @@ def build_param_groups(
             if id(param) not in own_scale and regex.search(name):
                 label, scale = f"{label}*{pattern}", scale * factor
         wd = weight_decay if name in decay_names else 0.0
+        optimizer = (param_optimizers or {}).get(name)
+        label = f"{label}:{optimizer}" if optimizer else label
         group = groups.setdefault(
             (label, wd),
             {
@@ -176,6 +182,7 @@ def build_param_groups(
                 "weight_decay": wd,
                 "lr_scale": scale,
                 "label": label,
+                **({"optimizer": optimizer} if optimizer else {}),
             },
         )
         group["params"].append(param)

@@ -19,8 +19,10 @@ from .ema import ExponentialMovingAverage
 from .freeze_layers import LayerFreezing
 from .head_dropout import MultiSampleDropoutHead
 from .layer_decay import LayerwiseLearningRates
+from .lookahead import Lookahead
 from .loraplus import LoraPlus
 from .loss_type import LossFunction
+from .muon import Muon
 from .pooling import PoolingHead
 from .rdrop import RDrop
 from .reinit_layers import ReinitLayers
@@ -57,11 +59,13 @@ BUILT_IN_TRICKS = (
     LossFunction,
     Adversarial,
     SharpnessAwareMinimization,
+    Lookahead,
     ExponentialMovingAverage,
     CheckpointAveraging,
     LayerFreezing,
     LayerwiseLearningRates,
     LoraPlus,
+    Muon,
 )
 
 
