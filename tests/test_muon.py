@@ -68,35 +68,45 @@ def test_the_matrices_go_to_muon_and_the_rest_to_adamw(tmp_path, layout):
         assert any("lora_embedding_A" in n for n in got["adamw"]) and any("classifier" in n for n in got["adamw"])
 
 
-class BeforeStep(TrainerCallback):
+class BeforeSteps(TrainerCallback):
     """The trainable weights and their gradients right before each optimizer step."""
+
+    def __init__(self):
+        self.weights, self.grads = [], []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.weights = {n: p.detach().clone() for n, p in named}
-        self.grads = {n: p.grad.detach().clone() for n, p in named}
+        self.weights.append({n: p.detach().clone() for n, p in named})
+        self.grads.append({n: p.grad.detach().clone() for n, p in named})
 
 
 @needs_muon
-def test_one_step_equals_torch_muon_and_adamw_on_the_same_tensors(tmp_path):
-    """The trainer's step from the weights and gradients it had: Muon (match_rms_adamw, the group's lr and weight
-    decay) on the matrices, AdamW (the default optim, adamw_torch_fused) with upstream's decay rule (none on biases
-    and LayerNorm) on the rest, bitwise."""
-    model, probe = bert_seq_cls(), BeforeStep()
-    args = tricks_args(tmp_path, max_steps=1, muon=True, learning_rate=LR, weight_decay=WD, max_grad_norm=0.0)
-    TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=4), callbacks=[probe]).train()
+def test_three_steps_equal_torch_muon_and_adamw_on_the_same_tensors(tmp_path):
+    """The trainer's steps under upstream's linear schedule, from the gradients it had: Muon (match_rms_adamw, the
+    group's lr and weight decay) on the matrices, AdamW with upstream's arguments for --optim and its decay rule (none
+    on biases and LayerNorm) on the rest, both at the scheduled lr of each step, bitwise."""
+    steps, model, probe = 3, bert_seq_cls(), BeforeSteps()
+    args = tricks_args(tmp_path, max_steps=steps, muon=True, learning_rate=LR, weight_decay=WD, max_grad_norm=0.0)
+    TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=12), callbacks=[probe]).train()
 
-    copies = {n: torch.nn.Parameter(w.clone()) for n, w in probe.weights.items()}
-    for name, p in copies.items():
-        p.grad = probe.grads[name].clone()
+    copies = {n: torch.nn.Parameter(w.clone()) for n, w in probe.weights[0].items()}
     matrices = [p for n, p in copies.items() if re.fullmatch(BERT_MATRICES, n)]
     rest = {n: p for n, p in copies.items() if not re.fullmatch(BERT_MATRICES, n)}
     decay = [p for n, p in rest.items() if not re.search(r"bias|LayerNorm", n)]
     no_decay = [p for n, p in rest.items() if re.search(r"bias|LayerNorm", n)]
     assert len(matrices) == 13 and decay and no_decay
-    torch.optim.Muon(matrices, lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw").step()
-    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
-    torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, fused=True).step()  # optim's default
+    muon = torch.optim.Muon(matrices, lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw")
+    adamw_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)  # upstream's --optim (adamw_torch_fused here)
+    assert adamw_cls is torch.optim.AdamW
+    adamw = adamw_cls([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], **kwargs)
+    for step in range(steps):
+        for name, p in copies.items():
+            assert torch.equal(p.detach(), probe.weights[step][name]), (step, name)
+            p.grad = probe.grads[step][name].clone()
+        for group in [*muon.param_groups, *adamw.param_groups]:
+            group["lr"] = LR * (float(steps - step) / float(steps))  # upstream's linear schedule, no warmup
+        muon.step()
+        adamw.step()
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), copies[name].detach()), name
 

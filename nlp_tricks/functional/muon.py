@@ -82,8 +82,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if muon_groups:
             muon_kwargs = {"adjust_lr_fn": "match_rms_adamw", **muon_kwargs}
             self.optimizers["muon"] = torch.optim.Muon(muon_groups, **muon_kwargs)
-        # The inner optimizers' own group dicts: a scheduler setting group["lr"] here sets it there.
-        super().__init__([g for o in self.optimizers.values() for g in o.param_groups], defaults={})
+        super().__init__(self.param_groups, defaults={})
 
     @staticmethod
     def _muon_group(group: dict, muon_lr_scale: float) -> dict:
@@ -93,15 +92,37 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 group["lr"] = group["lr"] * muon_lr_scale
         return group
 
+    # The groups and the state are the inner optimizers' own, read through each time: a scheduler that sets
+    # group["lr"] here sets it there, also after an inner load_state_dict replaced the group dicts (accelerate's
+    # prepare and every resume do).
+    @property
+    def param_groups(self) -> list[dict]:
+        return [
+            group for optimizer in self.__dict__.get("optimizers", {}).values() for group in optimizer.param_groups
+        ]
+
+    @param_groups.setter
+    def param_groups(self, value: list) -> None:
+        if value:  # torch's __init__ sets [] first
+            raise AttributeError("MuonWithAdamW's groups are its inner optimizers'; use add_param_group")
+
+    @property
+    def state(self) -> dict:
+        return {p: s for optimizer in self.__dict__.get("optimizers", {}).values() for p, s in optimizer.state.items()}
+
+    @state.setter
+    def state(self, value) -> None:
+        if value:  # torch's __init__ sets an empty defaultdict
+            raise AttributeError("MuonWithAdamW's state is its inner optimizers'; use load_state_dict")
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (to Muon with ``"optimizer": "muon"``, else to the other optimizer)."""
         key = "muon" if param_group.get("optimizer") == MUON else "adamw"
         inner = self.optimizers.get(key)
         if inner is None:
             raise ValueError(f"MuonWithAdamW was built without {key} groups; it cannot take one now")
-        if not any(group is param_group for group in inner.param_groups):
+        if not any(group is param_group for group in inner.param_groups):  # torch's __init__ passes each group
             inner.add_param_group(param_group)
-        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
