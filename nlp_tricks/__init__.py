@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _moved
+from . import _moved, _pipeline_hook
 
 __version__ = "0.1.0"
 
 _moved.install()  # old import paths of moved modules (nlp_tricks.losses, ...) keep working
+_pipeline_hook.install()  # transformers' pipelines load and decode a CRF, span head or pooling (nlp_tricks.pipelines)
 
 # public name -> the module that defines it
 _EXPORTS = {

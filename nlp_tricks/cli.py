@@ -39,11 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plot":
         from .plot import plot_run
 
+        notes: list[str] = []
         try:
-            written = plot_run(args.output_dir)
+            written = plot_run(args.output_dir, notes)
         except (FileNotFoundError, ImportError, ValueError) as err:
             print(f"nlp-tricks plot: {err}", file=sys.stderr)
             return 1
+        for note in notes:
+            print(f"nlp-tricks plot: {note}", file=sys.stderr)
         if not written:
             print(f"nlp-tricks plot: {args.output_dir}: the log holds nothing to plot", file=sys.stderr)
             return 1

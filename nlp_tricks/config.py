@@ -1,5 +1,6 @@
-"""TricksArguments and TricksConfig, composed from the argument dataclasses of the tricks (one per trick, in
-``nlp_tricks/tricks/``).
+"""TricksArguments and TricksConfig, composed from the argument dataclasses of the built-in tricks (one per trick, in
+``nlp_tricks/tricks/``, listed by the registry :data:`~nlp_tricks.tricks.BUILT_IN_TRICKS`): a new trick's fields
+join both by its registry line.
 
 - :class:`TricksConfig`: the trick fields alone, validated in ``__post_init__`` (for a trainer of your own, or a
   host trainer whose arguments class you keep).
@@ -16,53 +17,18 @@ from transformers import TrainingArguments
 from .functional.adversarial import ADV_NORMS
 from .runtime.divergence import RunSafetyArguments, validate_divergence_arguments
 from .tricks import trick_arguments, validate_arguments
-from .tricks.adversarial import ADVERSARIAL_METHODS, AdversarialArguments
-from .tricks.crf import CRFArguments
-from .tricks.distillation import DistillationArguments
-from .tricks.ema import EMAArguments
-from .tricks.freeze_layers import FreezeArguments
-from .tricks.head_dropout import HeadDropoutArguments
-from .tricks.layer_decay import ParamGroupArguments
-from .tricks.lookahead import LookaheadArguments
-from .tricks.loraplus import LoraPlusArguments
-from .tricks.loss_type import LOSS_TYPES, LossArguments
-from .tricks.muon import MuonArguments
-from .tricks.pooling import PoolingArguments
-from .tricks.rdrop import RDropArguments
-from .tricks.reinit_layers import ReinitArguments
-from .tricks.sam import SAMArguments
-from .tricks.scheduled_sampling import ScheduledSamplingArguments
-from .tricks.smart import SMARTArguments
-from .tricks.span_head import SpanHeadArguments
-from .tricks.swa import SWAArguments
+from .tricks.adversarial import ADVERSARIAL_METHODS
+from .tricks.loss_type import LOSS_TYPES
 
 __all__ = ["TricksConfig", "TricksArguments", "LOSS_TYPES", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
+# The fields in --help's order: each trick's in the registry's order, then run safety's. A dataclass collects its
+# bases' fields last base first, so the bases are that list reversed.
+_FIELD_GROUPS = (*trick_arguments(), RunSafetyArguments)
+
 
 @dataclass
-class TricksConfig(
-    # Listed in reverse of the order --help shows them in (a dataclass collects its bases' fields last base first).
-    RunSafetyArguments,
-    ScheduledSamplingArguments,
-    FreezeArguments,
-    ReinitArguments,
-    PoolingArguments,
-    HeadDropoutArguments,
-    SpanHeadArguments,
-    CRFArguments,
-    SWAArguments,
-    LookaheadArguments,
-    EMAArguments,
-    SMARTArguments,
-    SAMArguments,
-    RDropArguments,
-    AdversarialArguments,
-    MuonArguments,
-    LoraPlusArguments,
-    ParamGroupArguments,
-    DistillationArguments,
-    LossArguments,
-):
+class TricksConfig(*reversed(_FIELD_GROUPS)):
     """The knobs of every trick in nlp_tricks. Bad values raise ``ValueError`` naming the field and what is
     allowed."""
 
@@ -82,11 +48,6 @@ class TricksConfig(
         # Each trick's checks are in its file (nlp_tricks/tricks/); checks across two tricks in validate_arguments.
         validate_arguments(self)
         validate_divergence_arguments(self)
-
-
-assert set(TricksConfig.__mro__) >= set(trick_arguments()), (
-    "a built-in trick's arguments are missing from TricksConfig"
-)
 
 
 @dataclass

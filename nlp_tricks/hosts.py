@@ -15,7 +15,9 @@ re-initialised layers, layer-wise decay and the head's lr on the host's own para
 ``adjust_loss`` terms, state, order, callbacks). The host computes its loss: tricks that need its logits and labels
 (focal loss, label smoothing, a CRF, R-Drop, ...) are refused when the trainer is built, naming the host and the
 trick. The host's metrics (trl's ``_metrics``, its token count) are recorded for the clean pass only, not for an
-attack's or SAM's extra passes.
+attack's or SAM's extra passes. A trick that takes the step runs inside the host's own ``training_step`` (trl's
+GRPO and RLOO count their micro-batches there). After ``train()`` with an EMA, ``trainer.model`` holds the raw
+weights while ``save_model`` writes the average: ``trainer.averaged_model()`` is a copy with the averaged weights.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 _PIPELINE_HOOKS = tuple(hook for hook in LOGITS_HOOKS if hook != "adjust_loss") + ("adjust_predictions",)
 # Host state that records what a forward pass saw (trl's metrics and token count): kept for the clean pass only.
 _HOST_METRIC_ATTRIBUTES = ("_metrics", "_total_train_tokens", "accum_loss_components")
+# The attacks that perturb the embedding output from a forward hook, which skips forwards run without gradients.
+_EMBEDDING_ATTACKS = ("fgm", "pgd", "freelb")
 
 
 @functools.cache
@@ -71,7 +75,8 @@ def with_tricks(host: type) -> type:
         "__qualname__": f"{host.__name__}WithTricks",
         "__doc__": f"``{host.__module__}.{host.__name__}`` with nlp_tricks' tricks (:func:`nlp_tricks.with_tricks`).",
     }
-    return type(f"{host.__name__}WithTricks", (HostedTricks, TricksTrainer, host), namespace)
+    # _TricksStep sits below the host: a trick that takes the step runs inside the host's own training_step.
+    return type(f"{host.__name__}WithTricks", (HostedTricks, TricksTrainer, host, _TricksStep), namespace)
 
 
 class _HostedArguments:
@@ -127,6 +132,7 @@ class HostedTricks:
         # The host's own constructor, with its own arguments untouched (TricksTrainer's is skipped).
         super(TricksTrainer, self).__init__(*args, **kwargs)
         validate_arguments(hosted)  # again, with the host's TrainingArguments fields (optim, save_strategy, ...)
+        self._refuse_embedding_attacks_on_cached_losses(host)
         self.loss_shifts_labels = False  # the host's loss decides its own shift
         if not prepared and self.model is not None:  # the host built the model from a name
             self.call_tricks("prepare_model", self.model)
@@ -144,6 +150,11 @@ class HostedTricks:
             if isinstance(trick, Distillation):
                 continue
             if isinstance(trick, LossFunction) and not trick.summary():
+                if getattr(self.tricks_config, "chunked_lm_loss", False):
+                    raise ValueError(
+                        f"chunked_lm_loss=True cannot apply to {host.__name__}: the host computes its own loss, and "
+                        "the chunked loss is TricksTrainer's; use it with TricksTrainer or leave it out"
+                    )
                 continue
             hooks = [hook for hook in _PIPELINE_HOOKS if trick.overrides(hook)]
             if hooks or "hidden_states" in trick.outputs_needed:
@@ -155,6 +166,34 @@ class HostedTricks:
                 )
             kept.append(trick)
         self._use_tricks(kept)
+
+    def _refuse_embedding_attacks_on_cached_losses(self, host: type) -> None:
+        """sentence-transformers' ``Cached*`` losses (GradCache) take the loss from embeddings computed without
+        gradients and run the forward again inside ``backward``: an attack on the embedding output (FGM, PGD,
+        FreeLB) perturbs only that second forward, so its loss is the clean one and its gradient the clean loss's
+        through perturbed activations. Refused in one line; AWP and SAM perturb the weights, which both forwards
+        see, and train as with the loss uncached."""
+        attack = getattr(self.tricks_config, "adversarial", "none")
+        if attack not in _EMBEDDING_ATTACKS:
+            return
+        losses = getattr(self, "loss", None)
+        for loss in losses.values() if isinstance(losses, Mapping) else [losses]:
+            if _caches_gradients(loss):
+                raise ValueError(
+                    f"adversarial={attack!r} cannot apply to {type(loss).__name__} on {host.__name__}: the loss "
+                    "caches gradients (GradCache), computing itself from embeddings taken without gradients, which "
+                    "the attack cannot perturb; use adversarial='awp' or sam_rho (they perturb the weights), or the "
+                    "loss without caching"
+                )
+
+    # ---- The step: the host's, with the trick that takes it inside ------------------------------------------------
+
+    def call_tricks(self, hook: str, *args, **kwargs):
+        """TricksTrainer's dispatch, but for ``training_step``: the trick that takes the step runs below the host's
+        own ``training_step`` (:class:`_TricksStep`), so what the host does around the step still happens."""
+        if hook == "training_step":
+            return None
+        return super().call_tricks(hook, *args, **kwargs)
 
     # ---- The loss: the host's, with the tricks' terms -------------------------------------------------------------
 
@@ -226,6 +265,7 @@ class HostedTricks:
         super()._hp_search_setup(trial)
         if self.hp_search_backend is not None and trial is not None:
             self._refuse_pipeline_tricks(self._host())
+            self._refuse_embedding_attacks_on_cached_losses(self._host())
 
     # ---- The optimizer: the host's groups, with the group rules' learning rates -----------------------------------
 
@@ -267,3 +307,26 @@ class HostedTricks:
                 optimizer.add_param_group(group)
         self._optimizer_groups = self._group_signature(self.optimizer.param_groups)
         return self.optimizer
+
+
+class _TricksStep(Trainer):
+    """Below the host in :func:`with_tricks`' class: when the host's ``training_step`` calls upstream's, the trick that
+    takes the step (an attack's or SAM's passes) runs instead, inside what the host does around it (trl's GRPO and
+    RLOO count their micro-batches there to pick the generation batch; SFT and DPO enter their activation-offload
+    context)."""
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        loss = TricksTrainer.call_tricks(self, "training_step", model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch) if loss is None else loss
+
+
+def _caches_gradients(loss) -> bool:
+    """Whether a sentence-transformers loss (or a loss it wraps, as ``MatryoshkaLoss`` does) uses GradCache: it
+    says so with ``uses_gradient_cache``; the ``Cached*`` class name is read too, for losses that do not say."""
+    seen = set()
+    while loss is not None and id(loss) not in seen:
+        seen.add(id(loss))
+        if getattr(loss, "uses_gradient_cache", False) is True or type(loss).__name__.startswith("Cached"):
+            return True
+        loss = getattr(loss, "loss", None)
+    return False

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .functional.models import unwrap_model
 from .trainer import TricksTrainer
 
 __all__ = ["sparse_prediction", "MaskedLMTrainer"]
@@ -76,7 +77,7 @@ class MaskedLMTrainer(TricksTrainer):
     def forward_for_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor):
         if not self.sparse:
             return model(**inputs)
-        with sparse_prediction(self.accelerator.unwrap_model(model), labels != -100):
+        with sparse_prediction(unwrap_model(model), labels != -100):
             return model(**inputs)
 
     def compute_tricks_loss(

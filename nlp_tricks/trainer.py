@@ -8,53 +8,47 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import ModelOutput
 
 from .config import TricksArguments
 from .functional.adversarial import resolve_embedding_module
 from .functional.chunked_loss import HeadInputCapture
+from .functional.models import unwrap_model
 from .functional.multi_sample_dropout import find_classifier
-from .functional.outputs import output_logits, output_loss
+from .functional.outputs import output_logits, output_loss, outputs_with_loss
 from .runtime import upstream as _upstream
-from .runtime.averaging import AVERAGING_INFO_NAME, write_averaging_info
 from .runtime.divergence import install_divergence_guard
 from .runtime.drop_in import DropInLosses
 from .runtime.integrity import checkpoint_written
 from .runtime.lm_loss import CausalLMLossPath
 from .runtime.lock import holds_output_dir
-from .runtime.param_groups import (
-    NO_DECAY_PATTERNS,
-    build_param_groups,
-    group_learning_rates,
-    group_signature,
-    upstream_param_groups,
-)
+from .runtime.optimizer import OptimizerGroups
 from .runtime.passes import MultiPassStep
 from .runtime.preemption import PreemptionCallback, install_preemption
-from .runtime.resume import CHECKPOINT_RE, checkpoint_problem, get_last_complete_checkpoint, optimizer_groups_problem
-from .runtime.state import (
-    TRAINER_ENTRY,
-    TRICKS_STATE_NAME,
-    StateEntries,
-    TrickStateView,
-    checkpoint_trick_states,
-    legacy_state,
-    restore_states,
-    save_trick_states,
-)
+from .runtime.saved_weights import ChosenWeights
+from .runtime.state import TRAINER_ENTRY
+from .runtime.state_store import TrickStateStore
+from .runtime.step_log import StepLogging
 from .runtime.streams import TrickDataStream
-from .trick import HOOK_RULES, OUTPUT_REQUESTS, REMOVED_HOOKS, LossBatch, LossContext, Trick, merge_options, nested
-from .tricks import built_in_tricks, tricks_section
+from .trick import (
+    HOOK_RULES,
+    OUTPUT_REQUESTS,
+    REMOVED_HOOKS,
+    LossBatch,
+    LossContext,
+    Trick,
+    capability_problem,
+    merge_options,
+    nested,
+)
+from .tricks import BuiltInTrick, built_in_tricks
 
 __all__ = ["TricksTrainer"]
 
@@ -64,7 +58,9 @@ logger = logging.getLogger(__name__)
 _EXCLUSIVE_WHAT = {"training_step": "each run the whole training step", "forward": "each replace the forward pass"}
 
 
-class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
+class TricksTrainer(
+    DropInLosses, CausalLMLossPath, OptimizerGroups, TrickStateStore, StepLogging, ChosenWeights, Trainer
+):
     """A drop-in ``transformers.Trainer`` that runs tricks: the built-in ones :class:`TricksArguments` switches on,
     and any :class:`~nlp_tricks.Trick` passed as ``tricks=[...]``, sorted by their ``order``.
 
@@ -85,7 +81,8 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
       are upstream's own. The logged ``learning_rate`` is the body's on every model, ``lr/<group>`` each group's.
     - :meth:`evaluate`, :meth:`predict` and the final :meth:`save_model` run with the weights the tricks choose (the
       EMA's); predictions pass through the tricks (a CRF's Viterbi paths); every ``checkpoint-N`` holds the tricks'
-      states (one file), and :meth:`train` restores them on resume.
+      states (one file), and :meth:`train` restores them on resume, once every trick's ``on_train_begin`` has
+      built what holds them.
     - Run safety (docs/checkpoints.md): :meth:`train` locks ``output_dir`` for itself (one run per folder), stops at a
       non-finite loss, gradient norm or weight (``stop_on_nonfinite``: ``TrainingDivergedError``, nothing of that step
       saved), and each ``checkpoint-N`` ends with a checksum manifest that resume verifies.
@@ -150,7 +147,8 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         self._own_state: dict[str, float] = {}
         self._optimizer_groups: dict | None = None  # the group signature, saved with each checkpoint
         self._legacy_groups = False  # resuming an earlier TricksTrainer's optimizer state in its own group layout
-        self._step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
+        self._tricks_step: dict = {"batches": [], "num_items": None, "next": 0}  # the optimizer step's micro-batches
+        self._resume_states_from: str | None = None  # the checkpoint whose states train() restores
         self._context: LossContext | None = None  # the loss context of the micro-batch being trained
         self._lm_loss_path: str | None = None  # decided on first use (lm_loss_path)
         self._loss_only = False  # inside a prediction step whose logits are not returned
@@ -209,27 +207,28 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     def _setup_tricks(self) -> None:
         for trick in self.tricks:
             self.add_callback(trick)
+        self._add_state_restorer()  # after the tricks: their on_train_begin builds what it restores into
         self.call_tricks("setup")
 
     def _check_capabilities(self) -> None:
-        """Refuse, naming the settings, the tricks whose capability flags exclude this run's DeepSpeed / FSDP or its
-        optimizer (one that updates the weights inside backward cannot take several backwards per step)."""
-        optim = getattr(self.args.optim, "value", self.args.optim)
+        """Refuse, naming the settings, the tricks whose capability flags exclude this run's optimizer (one that
+        updates the weights inside backward cannot take several backwards per step), DeepSpeed (ZeRO-3) or FSDP."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) if self.is_deepspeed_enabled else None
+        engine = {
+            "optim": getattr(self.args.optim, "value", self.args.optim),
+            "deepspeed": self.is_deepspeed_enabled,
+            "zero_stage": getattr(plugin, "zero_stage", None),
+            "fsdp": self.is_fsdp_enabled,
+        }
         for trick in self.tricks:
-            if trick.extra_backwards and optim in ("lomo", "adalomo"):
-                setting = (trick.summary() or [repr(trick)])[0]
-                raise ValueError(
-                    f"{setting} runs several backward passes per step, but optim={optim!r} updates the weights inside "
-                    "backward; choose another optimizer"
-                )
-        engines = (("deepspeed", "DeepSpeed", "is_deepspeed_enabled"), ("fsdp", "FSDP", "is_fsdp_enabled"))
-        for flag, engine, attribute in engines:
-            if not getattr(self, attribute, False):
-                continue
-            for trick in self.tricks:
-                if not getattr(trick, flag):
-                    why = f": {trick.unsupported_reason}" if trick.unsupported_reason else ""
-                    raise ValueError(f"{', '.join(trick.summary())} is not supported with {engine}{why}")
+            problem = capability_problem(trick, **engine)
+            if problem is not None:
+                raise ValueError(problem)
+
+    def _legacy_holders(self) -> dict[str, BuiltInTrick]:
+        """The state holders a checkpoint written before the state store can restore: the built-in tricks (no other
+        holder existed then), each declaring its ``legacy_state`` and ``legacy_files``."""
+        return {name: h for name, h in self._state_holders().items() if isinstance(h, BuiltInTrick)}
 
     def get_trick(self, kind: type[Trick]) -> Trick | None:
         """The run's trick of class ``kind`` (the first one), or ``None``."""
@@ -265,55 +264,6 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         except Exception as error:
             error.add_note(f"(in {trick!r}.{hook})")
             raise
-
-    # ---- Logging ---------------------------------------------------------------------------------------------------
-
-    def record_metric(self, name: str, value: torch.Tensor | float) -> None:
-        """Record a per-step number; the next training log shows its mean since the previous log (over processes)."""
-        value = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
-        self._step_metrics[name].append(value)
-
-    def record_loss_term(self, name: str, term: torch.Tensor, num_items_in_batch=None) -> None:
-        """Log a loss term beside the logged ``loss``, on its scale. With ``num_items_in_batch`` the term is this
-        micro-batch's share of the step's per-item mean (over micro-batches and processes): scaled back up by both
-        counts."""
-        if num_items_in_batch is not None:
-            context = self._context
-            micro_batches = context.num_micro_batches if context is not None else 1
-            term = term * micro_batches * self.loss_scale_for_devices()
-        self.record_metric(name, term)
-
-    @property
-    def trick_state(self) -> dict:
-        """The cumulative numbers logged as they are in every training log: the trainer's own (a subclass writes
-        ``trainer.trick_state[name] = value``; saved with each checkpoint) and each trick's ``logged_state`` (read
-        from its ``state_dict()``)."""
-        logged = {}
-        for trick in self.tricks:
-            if trick.logged_state:
-                state = trick.state_dict()
-                logged.update({key: state[key] for key in trick.logged_state if key in state})
-        return TrickStateView(self._own_state, logged)
-
-    @trick_state.setter
-    def trick_state(self, value: Mapping) -> None:
-        self._own_state = dict(value)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log (not eval, not the end-of-training summary)
-            if self._step_metrics:
-                names = sorted(self._step_metrics)
-                means = torch.stack(
-                    [torch.stack([v.to(self.args.device) for v in self._step_metrics[n]]).mean() for n in names]
-                )
-                if self.accelerator.num_processes > 1:
-                    means = self.accelerator.reduce(means, reduction="mean")
-                logs.update({n: round(float(m), 4) for n, m in zip(names, means)})
-                self._step_metrics.clear()
-            logs.update(dict(self.trick_state))
-            if self.optimizer is not None and "learning_rate" in logs:
-                logs.update(group_learning_rates(self.optimizer.param_groups, logs["learning_rate"]))
-        super().log(logs, start_time)
 
     # ---- Loss ------------------------------------------------------------------------------------------------------
 
@@ -380,20 +330,17 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         teacher_logits = inputs.pop("teacher_logits", None)
         num_items = self._normalizer(num_items_in_batch)
         own_loss_reason = self._model_loss_reason(model, labels)
-        context = self._context
         if own_loss_reason is not None:
-            # Regression / multi-label: the model's own loss is a mean over its label elements.
-            self._warn_tricks_do_not_apply(model, own_loss_reason, teacher_logits is not None)
-            outputs = model(**inputs, **{label_key: labels})
-            loss = output_loss(outputs)
-            if num_items is not None:
-                loss = loss * labels.ne(-100).sum() / num_items
+            distilling = teacher_logits is not None
+            loss, outputs = self._model_own_loss(
+                model, inputs, label_key, labels, num_items, own_loss_reason, distilling
+            )
         else:
             training = model.training
             self._add_decoder_input_ids(model, inputs, labels)
             batch = LossBatch(inputs, labels, loss_labels, teacher_logits, num_items)
             batch = self.call_tricks("prepare_loss_batch", value=batch, training=training)
-            context.batch = batch
+            self._context.batch = batch
             # A causal LM with a loss trick on: the loss in chunks from the last hidden state, in training forwards
             # and in evaluation forwards whose logits nobody reads.
             chunk = lean == "chunked" and (training or self._loss_only)
@@ -405,32 +352,34 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
                 capture,
             ):
                 outputs = self.forward_for_loss(model, batch.inputs, batch.labels)
-            if batch.loss_in_outputs:
-                loss = output_loss(outputs)
-                context.logits = output_logits(outputs)
-            else:
-                logits = output_logits(outputs)
-                if head is not None:
-                    chunked = capture.logits(logits, batch.loss_labels.shape)
-                    if chunked is None:
-                        return self._full_logits_after_all(model, original, label_key, num_items_in_batch, capture)
-                    logits = chunked
-                    if isinstance(outputs, ModelOutput):
-                        outputs["logits"] = None  # the model computed the last position's only
-                context.logits = logits if torch.is_tensor(logits) else None
-                losses = []
-                for sample in self.head_samples(logits):
-                    sample_loss = self.compute_tricks_loss(sample, batch.loss_labels, num_items_in_batch=num_items)
-                    sample_loss = self.call_tricks(
-                        "adjust_logits_loss", sample, batch, value=sample_loss, training=training
-                    )
-                    losses.append(sample_loss)
-                loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-                if return_outputs:  # as a model given labels returns them
-                    outputs = self.outputs_with_loss(outputs, loss)
+            logits = None if batch.loss_in_outputs else output_logits(outputs)
+            if head is not None and logits is not None:
+                logits = capture.logits(logits, batch.loss_labels.shape)
+                if logits is None:
+                    return self._full_logits_after_all(model, original, label_key, num_items_in_batch, capture)
+                if isinstance(outputs, ModelOutput):
+                    outputs["logits"] = None  # the model computed the last position's only
+            loss, outputs = self._loss_of_forward(outputs, logits, batch, training, return_outputs)
         # DDP averages gradients over processes: a loss normalised by the all-process count is scaled back up.
         if num_items is not None:
             loss = loss * self.loss_scale_for_devices()
+        return loss, outputs
+
+    def _loss_of_forward(self, outputs, logits, batch: LossBatch, training: bool, return_outputs: bool):
+        """The loss of one forward: the one a forward context computed inside it (``batch.loss_in_outputs``), else
+        each head's configured loss on ``logits`` with the tricks' terms, averaged over the heads."""
+        context = self._context
+        if batch.loss_in_outputs:
+            context.logits = output_logits(outputs)
+            return output_loss(outputs), outputs
+        context.logits = logits if torch.is_tensor(logits) else None
+        losses = []
+        for sample in self.head_samples(logits):
+            loss = self.compute_tricks_loss(sample, batch.loss_labels, num_items_in_batch=batch.num_items)
+            losses.append(self.call_tricks("adjust_logits_loss", sample, batch, value=loss, training=training))
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        if return_outputs:  # as a model given labels returns them
+            outputs = self.outputs_with_loss(outputs, loss)
         return loss, outputs
 
     @contextlib.contextmanager
@@ -440,7 +389,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
             yield
             return
         context, handles = self._context, []
-        unwrapped = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        unwrapped = unwrap_model(model, peft=True)
         if "hidden_states" in self._requests:
             batch.inputs = {**batch.inputs, "output_hidden_states": True}
         if "embedding_output" in self._requests:
@@ -481,6 +430,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
             context.hidden_states = outputs.get("hidden_states")
         mean = loss if weight is None else loss / weight
         adjusted = self.call_tricks("adjust_loss", inputs, outputs, value=mean)
+        self.record_raw_loss(loss, weight)  # `loss_raw` beside the logged `loss`
         if weight is None:
             return adjusted
         return loss + (adjusted - mean) * weight
@@ -548,7 +498,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         Only models that do so (those with ``prepare_decoder_input_ids_from_labels``, the generation heads): BART / T5
         sequence classification build theirs from ``input_ids`` with or without labels, so they are left to it.
         """
-        unwrapped = self.accelerator.unwrap_model(model)
+        unwrapped = unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         if (
             getattr(config, "is_encoder_decoder", False)
@@ -576,19 +526,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
             return self.accelerator.num_processes // self.get_tp_size()
         return 1
 
-    @staticmethod
-    def outputs_with_loss(outputs, loss: torch.Tensor):
-        """The outputs as the model returns them given labels: the loss first (upstream's ``prediction_step`` takes
-        a tuple's ``outputs[1:]`` as the predictions)."""
-        if isinstance(outputs, ModelOutput):
-            if "loss" in {f.name for f in dataclasses.fields(outputs)}:
-                return type(outputs)(**{**outputs, "loss": loss})
-            return outputs
-        if isinstance(outputs, dict):
-            return {"loss": loss, **outputs}
-        if isinstance(outputs, (tuple, list)):
-            return (loss, *outputs)
-        return (loss, outputs)
+    outputs_with_loss = staticmethod(outputs_with_loss)  # the outputs as a model given labels returns them
 
     # ---- Model, items, predictions ---------------------------------------------------------------------------------
 
@@ -620,7 +558,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Upstream's, keeping the optimizer step's micro-batches for the loss context (``step_batches``)."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step = {"batches": batch_samples, "num_items": num_items_in_batch, "next": 0, "counts": {}}
+        self._tricks_step = {"batches": batch_samples, "num_items": num_items_in_batch, "next": 0, "counts": {}}
         return batch_samples, num_items_in_batch
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
@@ -650,37 +588,6 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
             logits = type(logits)([first, *logits[1:]]) if isinstance(logits, (tuple, list)) else first
         return loss, logits, labels
 
-    # ---- Optimizer -------------------------------------------------------------------------------------------------
-
-    def _group_rules(self, model: nn.Module) -> dict | None:
-        """The group rules of this run (the tricks' ``param_group_options``: ``head_lr_scale`` / ``layer_decay``, a
-        CRF's own lr, name patterns), or ``None`` when there is none: then the groups are upstream's own."""
-        options = self.call_tricks("param_group_options", model)
-        return options if any(value not in (None, 1.0, (), {}) for value in options.values()) else None
-
-    def build_optimizer_groups(self, model: nn.Module) -> list[dict]:
-        """Parameter groups for the optimizer, from :func:`~nlp_tricks.build_param_groups`, the arguments and the
-        tricks' rules (a CRF's scores: their own lr, no weight decay; name patterns whose lr factors multiply with
-        layer decay and the head scale). With no rule on, upstream's two groups (decay, no decay)."""
-        options = self._group_rules(model)
-        if options is None and not self._legacy_groups:
-            return upstream_param_groups(self, model)
-        options = options or {}
-        groups = build_param_groups(
-            model,
-            learning_rate=self.args.learning_rate,
-            weight_decay=self.args.weight_decay,
-            head_lr_scale=options.get("head_lr_scale", 1.0),
-            layer_decay=options.get("layer_decay", 1.0),
-            no_decay=NO_DECAY_PATTERNS + tuple(options.get("no_decay", ())),
-            module_lr_scales=options.get("module_lr_scales") or None,
-            lr_scales=options.get("lr_scales") or None,
-            param_optimizers=options.get("param_optimizers") or None,
-        )
-        for group in groups:
-            group.pop("names")
-        return groups
-
     def create_optimizer(self, model=None):
         """The optimizer ``--optim`` names, over :meth:`build_optimizer_groups`' groups (upstream's own optimizer
         when no group rule is on and the method is not overridden, so checkpoints move between ``Trainer`` and
@@ -688,96 +595,12 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         opt_model = self.model if model is None else model
         if self.optimizer is not None:
             return self.optimizer
-        overridden = type(self).build_optimizer_groups is not TricksTrainer.build_optimizer_groups
-        if not overridden and not self._legacy_groups and self._group_rules(opt_model) is None:
+        if self._upstream_groups_do(opt_model):
             optimizer = super().create_optimizer(model)
             self._optimizer_groups = self._group_signature(optimizer.param_groups)
             return optimizer
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        builds_own_groups = _upstream.is_optimizer_factory(optimizer_cls) or any(
-            key in optimizer_kwargs for key in ("params", "model", "optimizer_dict")
-        )
-        if builds_own_groups:
-            rules = [s for t in self._implementers["param_group_options"] for s in t.summary()]
-            raise ValueError(
-                f"optim={self.args.optim!r} builds its own parameter groups, so the group rules of this run "
-                f"({', '.join(rules)}) cannot apply; turn them off or choose another optimizer"
-            )
-        groups = self.build_optimizer_groups(opt_model)
-        # Saved with each checkpoint: a resume whose settings would build other groups is refused, naming them.
-        self._optimizer_groups = self._group_signature(groups)
-        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        self.optimizer = self._grouped_optimizer(opt_model)
         return self.optimizer
-
-    def _group_signature(self, groups: list[dict]) -> dict:
-        settings = {name: getattr(self.args, name, None) for name in ("head_lr_scale", "layer_decay", "weight_decay")}
-        rules = [s for t in self._implementers["param_group_options"] for s in t.summary()]
-        tricks = [s for t in self.tricks for s in t.summary()]
-        return group_signature(groups, {**settings, "tricks": tricks, "group_rules": rules})
-
-    # ---- State and checkpoints ---------------------------------------------------------------------------------
-
-    def _state_holders(self) -> dict[str, object]:
-        """Everything whose ``state_dict()`` each checkpoint carries, by its unique name: the tricks with state and
-        the tricks' data streams."""
-        holders = {trick.state_name: trick for trick in self.tricks if trick.has_state()}
-        holders.update(self._streams)
-        return holders
-
-    def _trick_states_file_needed(self) -> bool:
-        return bool(self._state_holders())
-
-    @property
-    def required_checkpoint_files(self) -> tuple:
-        """What the tricks of this run need in a ``checkpoint-N`` folder to resume from it: their entries in the
-        state store (a checkpoint written before the store: the files that held the same state then)."""
-        holders = self._state_holders()
-        if not holders:
-            return ()
-        legacy = all(hasattr(h, "legacy_state") or getattr(h, "logged_state", ()) for h in holders.values())
-        files = tuple(name for h in holders.values() for name in getattr(h, "legacy_files", ()))
-        return (StateEntries(tuple(holders), legacy=legacy, legacy_files=files),)
-
-    def _save_trick_states(self, folder: str) -> None:
-        states = {name: holder.state_dict() for name, holder in self._state_holders().items()}
-        states[TRAINER_ENTRY] = {"trick_state": dict(self._own_state), "optimizer_groups": self._optimizer_groups}
-        save_trick_states(os.path.join(folder, TRICKS_STATE_NAME), states)
-
-    def _load_trick_states(self, checkpoint: str) -> None:
-        """Restore every state holder's entry of ``checkpoint`` and the trainer's own numbers."""
-        own = restore_states(checkpoint, self._state_holders())
-        self._own_state.clear()
-        self._own_state.update(own)
-
-    def _saved_group_signature(self, checkpoint: str) -> dict | None:
-        states = checkpoint_trick_states(checkpoint) or {}
-        if TRAINER_ENTRY in states:
-            return states[TRAINER_ENTRY].get("optimizer_groups")
-        return legacy_state(checkpoint)["optimizer_groups"]
-
-    def _check_optimizer_groups(self, checkpoint: str) -> None:
-        """Refuse, naming the settings, a resume whose optimizer groups differ from the checkpoint's. A checkpoint of
-        an earlier TricksTrainer with no group rule on (its groups split body / head, not upstream's decay / no
-        decay) resumes in its own layout."""
-        saved = self._saved_group_signature(checkpoint)
-        current = self._group_signature(self.build_optimizer_groups(self.model))
-        problem = optimizer_groups_problem(checkpoint, current, saved)
-        if problem is not None and self._group_rules(self.model) is None:
-            self._legacy_groups = True
-            if (
-                optimizer_groups_problem(
-                    checkpoint, self._group_signature(self.build_optimizer_groups(self.model)), saved
-                )
-                is None
-            ):
-                logger.info(f"{checkpoint} holds an earlier TricksTrainer's optimizer groups: resuming in that layout")
-                return
-            self._legacy_groups = False
-        if problem is not None:
-            raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
 
     @holds_output_dir  # one run per output folder, locked for the whole call (runtime/lock.py)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None):
@@ -788,23 +611,14 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         folders are skipped with a warning naming them and what is wrong (see
         :func:`~nlp_tricks.resume.checkpoint_problem`), and a named checkpoint that is incomplete raises.
         """
-        required = self.required_checkpoint_files
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_complete_checkpoint(self.args.output_dir, required)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            problem = checkpoint_problem(resume_from_checkpoint, required)
-            if problem is not None:
-                raise ValueError(f"resume_from_checkpoint={str(resume_from_checkpoint)!r} is incomplete: {problem}")
-        checkpoint = os.fspath(resume_from_checkpoint) if resume_from_checkpoint else None
+        checkpoint = self._resume_checkpoint(resume_from_checkpoint)
         if checkpoint is not None and self.model is not None:
             self._check_optimizer_groups(checkpoint)
-        if checkpoint is not None:
-            self._load_trick_states(checkpoint)
+        self._resume_states_from = checkpoint  # restored after every trick's on_train_begin (runtime/state_store.py)
+        resume = checkpoint if checkpoint is not None else resume_from_checkpoint  # True: the one chosen above
         with self.preemption.signal_handlers():  # restored even if training raises
             output = super().train(
-                resume_from_checkpoint=resume_from_checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
+                resume_from_checkpoint=resume, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval
             )
         self.divergence.raise_if_diverged()  # a diverged run returns nothing that looks finished
         self.preempted = self.preemption.stopped_by
@@ -822,7 +636,7 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
     ) -> torch.Tensor:
         """Upstream's training step, unless a trick runs the step (``--adversarial``: the attack's passes added;
         the returned, logged loss is the clean one)."""
-        step = self._step
+        step = self._tricks_step
         batches = step.get("batches") or []
         self._context = LossContext(
             phase="train",
@@ -878,80 +692,11 @@ class TricksTrainer(DropInLosses, CausalLMLossPath, Trainer):
         (``options``: ``share_dropout``)."""
         return MultiPassStep(self, model, inputs, num_items_in_batch, extra_pass=extra_pass, **options)
 
-    def data_stream(self, name: str, dataset, **options) -> TrickDataStream:
-        """A trick's own stream of batches (unlabelled text for a consistency term, a replay buffer): sharded over
-        processes, one batch per micro-batch, its position saved in every checkpoint under ``name`` and restored on
-        resume. ``options``: see :class:`~nlp_tricks.runtime.streams.TrickDataStream`. Call it in ``setup``."""
-        taken = {trick.state_name for trick in self.tricks if trick.has_state()} | set(self._streams) | {TRAINER_ENTRY}
-        if name in taken:
-            raise ValueError(
-                f"data_stream name {name!r} is taken (by a trick's state or another stream); choose another"
-            )
-        stream = TrickDataStream(self, dataset, **options)
-        self._streams[name] = stream
-        return stream
-
     def _sum_over_processes(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(self.args.device)
         if self.accelerator.num_processes > 1:
             value = self.accelerator.reduce(value, reduction="sum")
         return value
-
-    # ---- Evaluation and saving -------------------------------------------------------------------------------------
-
-    def _eval_weights(self):
-        """The weights the tricks choose for evaluation and the final model (the EMA's with ``--ema_eval``)."""
-        return self.call_tricks("eval_weights")
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", **kwargs):
-        """Upstream ``evaluate``, with the weights the tricks choose (``--ema_eval``: the EMA's; the raw ones are
-        restored bitwise after)."""
-        with self._eval_weights():
-            return super().evaluate(
-                eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
-            )
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test", **kwargs):
-        """Upstream ``predict``, with the weights the tricks choose (as :meth:`evaluate`)."""
-        with self._eval_weights():
-            return super().predict(
-                test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs
-            )
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Upstream ``save_model``, plus the tricks' state.
-
-        - Into a ``checkpoint-N`` folder: the raw weights and the state store (``tricks_state.safetensors``: every
-          trick's ``state_dict()``, the EMA's tensors included), written before ``trainer_state.json``, so a
-          complete checkpoint holds it.
-        - Anywhere else (the final model): the weights the tricks choose (the EMA's with ``--ema_eval``, the
-          checkpoint average after ``--swa_last_k``), with an ``averaging.json`` beside them saying so.
-        """
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        if CHECKPOINT_RE.match(os.path.basename(os.path.normpath(output_dir))):
-            super().save_model(output_dir, _internal_call)
-            if self.args.should_save:
-                self._save_trick_states(output_dir)
-            return
-        info = self.call_tricks("saved_weights_info")
-        with self._eval_weights():
-            super().save_model(output_dir, _internal_call)
-        if self.args.should_save and os.path.isdir(output_dir):
-            if info is not None:
-                write_averaging_info(output_dir, info)
-            elif os.path.isfile(os.path.join(output_dir, AVERAGING_INFO_NAME)):
-                os.remove(os.path.join(output_dir, AVERAGING_INFO_NAME))  # left by an earlier run: no longer true
-
-    def create_model_card(self, *args, tags: str | list[str] | None = None, **kwargs) -> None:
-        """Upstream's model card, tagged ``nlp-tricks``, with a section naming the tricks of the run and which
-        weights were saved (the EMA's, a checkpoint average)."""
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        super().create_model_card(*args, tags=[*tags, "nlp-tricks"], **kwargs)
-        path = os.path.join(self.args.output_dir, "README.md")
-        if not self.is_world_process_zero() or not os.path.isfile(path):
-            return
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(tricks_section(self.tricks, self.call_tricks("saved_weights_info")))
 
 
 def _fresh_copy(trick: Trick) -> Trick:

@@ -7,12 +7,15 @@ everything not named here, unchanged)::
     TricksTrainer(model, args, tricks=[...])
         tricks = the built-ins args switch on + yours, sorted by `order`    (ties: built-ins first, then as given)
         refused here, naming the settings: two tricks with one state name, two tricks implementing an `exclusive`
-            hook, a trick whose capability flags exclude DeepSpeed / FSDP / this optimizer, a removed hook name
+            hook, a trick whose capability flags exclude DeepSpeed / ZeRO-3 / FSDP / this optimizer, a removed hook
         prepare_model(trainer, model)                      all      before the Trainer wraps the model
         setup(trainer)                                     all      the Trainer is built: check, build
     trainer.train(resume_from_checkpoint)
-        load_state_dict(state)                             own      each trick its entry of tricks_state.safetensors
-        on_train_begin(args, state, control, ...)          all      (every TrainerCallback event, in order)
+        on_train_begin(args, state, control, ...)          all      (every TrainerCallback event, in order) build
+                                                                    what holds state, from the weights training
+                                                                    starts from (a resumed run: the checkpoint's)
+        load_state_dict(state)                             own      on resume, after every on_train_begin: each
+                                                                    trick its entry of tricks_state.safetensors
         for each optimizer step:
             for each micro-batch:
                 training_step(trainer, model, inputs, n)   exclusive   None: upstream's step; several passes:
@@ -52,6 +55,7 @@ state and the head's weight) and the configured loss is computed in chunks of to
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -76,6 +80,9 @@ __all__ = [
     "DEFAULT_ORDER",
     "nested",
     "merge_options",
+    "capability_problem",
+    "STEPS_INSIDE_BACKWARD",
+    "LossInForward",
 ]
 
 #: How the answers of several tricks to one hook combine.
@@ -272,8 +279,9 @@ class Trick(TrainerCallback):
         in_evaluation: whether its loss hooks run in evaluation forwards too.
         extra_backwards: whether it runs more than one backward per optimizer step (refused with optimizers that
             update the weights inside backward: ``lomo``, ``adalomo``).
-        deepspeed, fsdp: whether it works under DeepSpeed / FSDP (refused when the trainer is built otherwise;
-            ``unsupported_reason`` says why, in the refusal).
+        deepspeed, zero3, fsdp: whether it works under DeepSpeed, under DeepSpeed ZeRO stage 3 (whose sharded
+            parameters no process holds whole) and under FSDP: refused when the trainer is built otherwise, with
+            ``unsupported_reason`` in the message (:func:`capability_problem`, the one place such refusals are made).
         outputs_needed: what to capture in training forwards for the loss hooks (keys of :data:`OUTPUT_REQUESTS`).
         logged_state: keys of :meth:`state_dict` logged as they are in every training log (counters).
         needs_logits: whether it reads a causal LM's full logits (``outputs.logits``, ``loss_context.logits``, the
@@ -290,6 +298,7 @@ class Trick(TrainerCallback):
     in_evaluation: bool = True
     extra_backwards: bool = False
     deepspeed: bool = True
+    zero3: bool = True
     fsdp: bool = True
     unsupported_reason: str = ""
     outputs_needed: frozenset[str] = frozenset()
@@ -317,7 +326,7 @@ class Trick(TrainerCallback):
     def forward_context(self, trainer: TricksTrainer, batch: LossBatch) -> contextlib.AbstractContextManager | None:
         """A context around the loss's forward pass (``None``: none). A context that computes the loss inside the
         forward (a CRF, so that DDP / FSDP see its parameters used) puts it in ``outputs.loss`` and sets
-        ``batch.loss_in_outputs = True``."""
+        ``batch.loss_in_outputs = True``: :class:`LossInForward` does both."""
         return None
 
     def forward(self, trainer: TricksTrainer, model: nn.Module, inputs: dict, labels: torch.Tensor):
@@ -350,7 +359,8 @@ class Trick(TrainerCallback):
         the doubled batch, labels included). What the trick adds is weighed by the micro-batch's share of the step's
         items (``trainer.loss_context.share``), so a per-item term stays exact under gradient accumulation and DDP, a
         constant added on the clean pass of every micro-batch counts once per step, and a trick that returns ``loss``
-        unchanged leaves it bitwise unchanged.
+        unchanged leaves it bitwise unchanged. The training logs show ``loss_raw``, the loss before these terms,
+        beside ``loss``.
         """
         return loss
 
@@ -403,7 +413,8 @@ class Trick(TrainerCallback):
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s value when training resumes from a checkpoint (before ``on_train_begin``)."""
+        """Restore :meth:`state_dict`'s value when training resumes from a checkpoint: after every trick's
+        ``on_train_begin``, so what holds the state (built there) is there to take it."""
 
     # ---- Helpers ----------------------------------------------------------------------------------------------------
 
@@ -468,3 +479,82 @@ def merge_options(answers: list[tuple[Trick, dict]]) -> dict:
                 merged[key] = value
                 owners[(key, None)] = trick
     return merged
+
+
+#: The optimizers that update the weights inside backward: a trick with ``extra_backwards`` cannot run with them.
+STEPS_INSIDE_BACKWARD = ("lomo", "adalomo")
+
+
+def capability_problem(
+    trick: Trick,
+    *,
+    optim: str | None = None,
+    deepspeed: bool = False,
+    zero_stage: int | None = None,
+    fsdp: bool = False,
+) -> str | None:
+    """Why ``trick``'s capability flags exclude a run with this optimizer and engine, in one line naming the
+    settings, or ``None``: the one check behind every such refusal (the trainer's when it is built, the arguments'
+    when only the optimizer is known)."""
+    settings = trick.summary() or [repr(trick)]
+    if trick.extra_backwards and optim in STEPS_INSIDE_BACKWARD:
+        return (
+            f"{settings[0]} runs several backward passes per step, but optim={optim!r} updates the weights inside "
+            "backward; choose another optimizer"
+        )
+    engine = None
+    if fsdp and not trick.fsdp:
+        engine = "FSDP"
+    elif deepspeed and not trick.deepspeed:
+        engine = "DeepSpeed"
+    elif deepspeed and zero_stage == 3 and not trick.zero3:
+        engine = "DeepSpeed ZeRO stage 3"
+    if engine is None:
+        return None
+    why = f": {trick.unsupported_reason}" if trick.unsupported_reason else ""
+    return f"{', '.join(settings)} is not supported with {engine}{why}"
+
+
+class LossInForward:
+    """A loss computed inside the model's forward, as a built-in head computes its own, so that DDP / FSDP see the
+    parameters it uses (a CRF's scores, a span head): a forward hook on the model that puts ``loss(trainer, module,
+    outputs, labels, num_items)`` into ``outputs.loss`` while :meth:`computing` is open.
+
+    A trick attaches one in ``prepare_model`` (:meth:`attach`) and returns :meth:`computing` from
+    ``forward_context``; the trainer then takes ``outputs.loss`` (``batch.loss_in_outputs``). The hook holds the
+    trainer weakly, so ``copy.deepcopy(model)`` copies the hook, not the trainer.
+    """
+
+    def __init__(self, trainer: TricksTrainer, model: nn.Module, loss: Callable[..., torch.Tensor]):
+        self._trainer = weakref.ref(trainer)
+        self._loss = loss
+        self._pending: tuple | None = None
+        self._handle = model.register_forward_hook(self)
+
+    @classmethod
+    def attach(cls, previous: LossInForward | None, trainer: TricksTrainer, model: nn.Module, loss) -> LossInForward:
+        """A hook on ``model`` in place of ``previous`` (each ``model_init`` model gets its own)."""
+        if previous is not None:
+            previous.remove()
+        return cls(trainer, model, loss)
+
+    @contextlib.contextmanager
+    def computing(self, batch: LossBatch) -> Iterator[None]:
+        """While open, the model's next forward returns the loss of ``batch`` (then ``batch.loss_in_outputs``)."""
+        self._pending = (batch.loss_labels, batch.num_items)
+        try:
+            yield
+            batch.loss_in_outputs = self._pending is None
+        finally:
+            self._pending = None
+
+    def __call__(self, module: nn.Module, args: tuple, outputs):
+        trainer = self._trainer()
+        if self._pending is None or trainer is None:
+            return None
+        labels, num_items = self._pending
+        self._pending = None  # one forward per request (a nested call of the same model stays plain)
+        return trainer.outputs_with_loss(outputs, self._loss(trainer, module, outputs, labels, num_items))
+
+    def remove(self) -> None:
+        self._handle.remove()

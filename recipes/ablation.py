@@ -56,6 +56,7 @@ import numpy as np
 from transformers.hf_argparser import string_to_bool
 
 import sweep
+from common import TrickError, load_trick, trick_specs
 from sweep import finished_record, run_one  # noqa: F401  (their home was this file: callers import them from here)
 
 # configuration name -> recipe flags. Plain data: add a row to ablate another trick.
@@ -398,6 +399,51 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+    if args.folds is not None and args.folds < 2:
+        parser.error("--folds must be >= 2")
+    problem = sweep.check_arguments(args)
+    if problem:
+        parser.error(problem)
+    try:
+        recipe = load_recipe(args.recipe)
+    except FileNotFoundError as err:
+        print(f"ablation: {err}", file=sys.stderr)
+        return 1
+    task = Path(recipe.__file__).stem
+    _refuse_multi_label(parser, task, recipe_flags)
+    configs = _configurations(parser, args, recipe, task)
+    _check_user_tricks(parser, {f"configuration {name}": flags for name, flags in configs.items()}, recipe_flags)
+    lrs = args.lrs.split(",") if args.lrs else ["default"]
+    metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
+    out = Path(args.output_dir)
+    jobs = plan_runs(
+        recipe.__file__,
+        configs,
+        lrs,
+        args.seeds,
+        args.folds,
+        out,
+        recipe_flags,
+        max_steps=args.max_steps,
+        trivial_baselines=[] if args.no_trivial_baselines else TRIVIAL_BASELINES.get(task, []),
+        yardstick=not args.no_yardstick,
+        # The recipes' evidence defaults (e.g. NER's CRF) off: every row is the plain recipe plus its own flags.
+        plain_flags=["--tricks", "none"] if hasattr(recipe, "EVIDENCE_DEFAULTS") else [],
+    )
+    if args.dry_run:
+        return _dry_run(jobs)
+    runs = _run(args, jobs, out, metric, task)
+    if runs is None:
+        return 1
+    return _tabulate(args, runs, task, metric, lrs, out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The runner's own flags (the recipe's go after ``--``)."""
     parser = argparse.ArgumentParser(
         prog="python recipes/ablation.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -439,21 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dry_run", action="store_true", help="print the runs still to do and the counts; start nothing"
     )
     sweep.add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
-    if args.folds is not None and args.folds < 2:
-        parser.error("--folds must be >= 2")
-    problem = sweep.check_arguments(args)
-    if problem:
-        parser.error(problem)
+    return parser
 
-    try:
-        recipe = load_recipe(args.recipe)
-    except FileNotFoundError as err:
-        print(f"ablation: {err}", file=sys.stderr)
-        return 1
-    task = Path(recipe.__file__).stem
+
+def _refuse_multi_label(parser: argparse.ArgumentParser, task: str, recipe_flags: list[str]) -> None:
     try:
         multi_label = task == "classification" and multi_label_requested(recipe_flags)
     except ArgumentTypeError as err:
@@ -462,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--multi_label: the ablation's per-example bootstrap and baselines score single-label classification only"
         )
+
+
+def _configurations(parser: argparse.ArgumentParser, args, recipe: ModuleType, task: str) -> dict[str, list[str]]:
+    """The configurations to run, the baseline first: the common ones and the recipe's (``--configurations``
+    picks), and each ``--add_configuration``."""
     configs = default_configurations(recipe)
     if args.configurations:
         wanted = args.configurations.split(",")
@@ -477,31 +517,32 @@ def main(argv: list[str] | None = None) -> int:
         if name in TRIVIAL_BASELINES.get(task, []):
             parser.error(f"--add_configuration {text!r}: {name} is the name of a trivial baseline row")
         configs[name] = flags
-    configs = {"baseline": configs.get("baseline", CONFIGURATIONS["baseline"]), **configs}
-    lrs = args.lrs.split(",") if args.lrs else ["default"]
-    metric = args.metric or getattr(recipe, "MAIN_METRIC", "f1")
-    out = Path(args.output_dir)
+    return {"baseline": configs.get("baseline", CONFIGURATIONS["baseline"]), **configs}
 
-    jobs = plan_runs(
-        recipe.__file__,
-        configs,
-        lrs,
-        args.seeds,
-        args.folds,
-        out,
-        recipe_flags,
-        max_steps=args.max_steps,
-        trivial_baselines=[] if args.no_trivial_baselines else TRIVIAL_BASELINES.get(task, []),
-        yardstick=not args.no_yardstick,
-        # The recipes' evidence defaults (e.g. NER's CRF) off: every row is the plain recipe plus its own flags.
-        plain_flags=["--tricks", "none"] if hasattr(recipe, "EVIDENCE_DEFAULTS") else [],
-    )
-    if args.dry_run:
-        todo = [job for job in jobs if finished_record(job.run_dir, job.flags) is None]
-        for job in todo:
-            print(" ".join([Path(sys.executable).name, job.script, "--output_dir", str(job.run_dir), *job.flags]))
-        print(f"[ablation] {len(jobs)} runs planned, {len(jobs) - len(todo)} finished, {len(todo)} to run")
-        return 0
+
+def _check_user_tricks(parser: argparse.ArgumentParser, configs: dict[str, list[str]], recipe_flags: list[str]):
+    """Each ``--trick module:Class`` of the configurations and of the flags after ``--`` loaded here once, so a
+    typo is one line before any run starts (the runs import it again, from this working directory)."""
+    for where, flags in {**configs, "the flags after --": recipe_flags}.items():
+        for spec in trick_specs(flags):
+            try:
+                load_trick(spec)
+            except TrickError as err:
+                parser.error(f"{where}: {err}")
+
+
+def _dry_run(jobs: list[PlannedRun]) -> int:
+    """Print the runs still to do and the counts; start nothing."""
+    todo = [job for job in jobs if finished_record(job.run_dir, job.flags) is None]
+    for job in todo:
+        print(" ".join([Path(sys.executable).name, job.script, "--output_dir", str(job.run_dir), *job.flags]))
+    print(f"[ablation] {len(jobs)} runs planned, {len(jobs) - len(todo)} finished, {len(todo)} to run")
+    return 0
+
+
+def _run(args, jobs: list[PlannedRun], out: Path, metric: str, task: str) -> dict | None:
+    """Every run (the finished ones are not rerun): ``runs[config][lr][seed][fold]``, each run's record; ``None``
+    when a run failed (the failures are printed)."""
     try:
         # Tiny runs are fastest on one thread each, and N of them at a time do not oversubscribe N cores.
         with sweep.make_executor(args, default_threads=lambda jobs: 1) as executor:
@@ -509,10 +550,10 @@ def main(argv: list[str] | None = None) -> int:
             outcomes = executor.run(jobs, out, metric, label="ablation")
     except sweep.SweepError as err:
         print(f"ablation: {err}", file=sys.stderr)
-        return 1
+        return None
     if any(outcome.record is None for outcome in outcomes):
         print(f"ablation: {sweep.failure_report(outcomes, out)}", file=sys.stderr)
-        return 1
+        return None
     sweep.forget_failures(out)
     runs: dict = {}
     for job, outcome in zip(jobs, outcomes):
@@ -521,7 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in TRIVIAL_BASELINES.get(task, []):  # the same predictions for every seed
         if name in runs:
             runs[name]["-"] = {s: runs[name]["-"][1] for s in range(1, args.seeds + 1)}
+    return runs
 
+
+def _tabulate(args, runs: dict, task: str, metric: str, lrs: list[str], out: Path) -> int:
+    """``ablation.json``, ``ablation.md`` (printed) and ``ablation.png``."""
     try:
         table = summarize(runs, task, metric, lrs, args.resamples)
     except ValueError as err:

@@ -14,6 +14,7 @@ predictions) to ``--output_dir``.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import re
 import sys
@@ -25,11 +26,13 @@ import evidence
 from transformers import HfArgumentParser
 
 from nlp_tricks.data.arrow import first_rows
+from nlp_tricks.data.schemes import convert_tags, tags_to_spans
 
 from classification import ClassificationDataArguments, load_classification_splits
 from common import eval_splits, labelled_splits, run_recipe, write_json_atomic
-from ner import NerDataArguments, load_ner_splits
-from summarization import SummarizationDataArguments, load_summarization_splits
+from ner_data import NerDataArguments
+from ner_data import read_data as read_ner_data
+from summarization_data import SummarizationDataArguments, load_summarization_splits
 
 BASELINES = {"gazetteer": "ner", "tfidf_lr": "classification", "copy": "summarization", "lead3": "summarization"}
 
@@ -45,13 +48,12 @@ class BaselineArguments:
 
 
 def build_gazetteer(sentences: list[dict], lowercase: bool = False) -> dict[tuple[str, ...], str]:
-    """Every entity of the training sentences (its words) with its most frequent type."""
-    from seqeval.metrics.sequence_labeling import get_entities
-
+    """Every entity of the training sentences (its words; tags of any scheme, read as the NER recipe reads them)
+    with its most frequent type."""
     types: dict[tuple[str, ...], Counter] = {}
     for sentence in sentences:
-        for kind, start, end in get_entities(list(sentence["ner_tags"])):
-            words = tuple(w.lower() if lowercase else w for w in sentence["tokens"][start : end + 1])
+        for kind, start, end in tags_to_spans(list(sentence["ner_tags"])):
+            words = tuple(w.lower() if lowercase else w for w in sentence["tokens"][start:end])
             types.setdefault(words, Counter())[kind] += 1
     return {words: counts.most_common(1)[0][0] for words, counts in types.items()}
 
@@ -73,9 +75,11 @@ def tag_with_gazetteer(tokens: list[str], gazetteer: dict[tuple[str, ...], str],
     return tags
 
 
-def write_ner(path: Path, sentences: list[dict], predicted: list[list[str]]) -> None:
+def write_ner(path: Path, sentences: list[dict], predicted: list[list[str]], scheme: str = "iob2") -> None:
+    """The NER recipe's ``test_predictions.txt``: the gold tags as read, the predictions written in ``scheme``."""
     lines = []
     for sentence, tags in zip(sentences, predicted):
+        tags = convert_tags(tags, scheme)
         lines += [f"{t}\t{g}\t{p}" for t, g, p in zip(sentence["tokens"], sentence["ner_tags"], tags)] + [""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if task == "ner":
-        _, train, examples = labelled_splits(load_ner_splits(data), "ner_tags", data)
+        _, _, train, examples = read_ner_data(data)  # the tag scheme resolved: data.tag_scheme
     elif task == "classification":
         _, train, examples = labelled_splits(load_classification_splits(data), "label", data)
     else:
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         train = first_rows(splits["train"][0], data.max_train_samples)
         examples = eval_splits(splits, data.max_eval_samples)
     writer = {"ner": write_ner, "classification": write_classification, "summarization": write_summarization}[task]
+    if task == "ner":
+        writer = functools.partial(write_ner, scheme=data.tag_scheme)
     results = {"baseline": args.baseline, "train_samples": len(train)}
     fitted = None
     if args.baseline == "tfidf_lr":

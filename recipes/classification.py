@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, Features, Sequence, Value
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, IntervalStrategy
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.data import (
@@ -73,16 +73,19 @@ from nlp_tricks.metrics import load_metric
 from nlp_tricks.self_training import PseudoLabels, classification_pseudo_labels, one_hot_logits, read_unlabeled_file
 
 from common import (
+    ENCODER_DEFAULTS,
+    TABLE_TRAIN_FILE_HELP,
     DataArguments,
     ModelArguments,
+    build_trainer,
     check_label_arguments,
     data_record,
+    dataset_help,
     labelled_splits,
     load_classifier,
     load_splits,
     map_options,
     own_rows,
-    refusals_of_the_model,
     run_recipe,
     start_recipe,
     train_evaluate_predict,
@@ -91,17 +94,7 @@ from common import (
 from ensemble_folder import predict_with_ensemble
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
-RECIPE_DEFAULTS = {
-    "learning_rate": 1e-4,
-    "num_train_epochs": 2,
-    "per_device_train_batch_size": 16,
-    "per_device_eval_batch_size": 64,
-    "weight_decay": 0.01,
-    "head_lr_scale": 10.0,
-    "eval_strategy": "epoch",
-    "logging_steps": 50,
-    "save_strategy": "no",
-}
+RECIPE_DEFAULTS = {**ENCODER_DEFAULTS, "learning_rate": 1e-4}
 # The metric the ablation runner reports (all_results.json holds eval_f1 and test_f1).
 MAIN_METRIC = "f1"
 # The tricks this recipe turns on by default (``--tricks default``) because the cross-validated 3-seed ablation
@@ -124,17 +117,11 @@ ABLATION_CONFIGURATIONS = {
 class ClassificationDataArguments(DataArguments):
     """Where the texts come from and how they are cut."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (BBC News shipped by the demo extra, offline) or a Hub dataset (e.g. ag_news). "
-            "Ignored when --train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."},
-    )
+    FLAG_HELP = {
+        "dataset_name": dataset_help("BBC News shipped by the demo extra", "(e.g. ag_news)"),
+        "train_file": TABLE_TRAIN_FILE_HELP,
+    }
+
     text_column: str = field(default="text", metadata={"help": "Column / field of the text."})
     text_pair_column: str | None = field(
         default=None,
@@ -550,58 +537,47 @@ def main() -> None:
     with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
         splits, labels, train_examples, eval_examples = read_data(data_args)
     check_label_arguments(training_args, labels)
-    id2label = dict(enumerate(labels))
 
     # ---- Model ----
     model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels)
-    multi_label = data_args.multi_label
-    if multi_label:
+    if data_args.multi_label:
         model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_datasets, truncation = tokenize_data(
             data_args, tokenizer, labels, train_examples, eval_examples
         )
-
-    if multi_label:
-        predict = predict_labels(data_args.threshold)
-        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
-    else:
-        predict = lambda logits, labels: logits.argmax(dim=-1)  # noqa: E731
-        split_metrics = {
-            split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
-        }
-
-    if "validation" not in eval_datasets:
-        training_args.eval_strategy = IntervalStrategy.NO  # no validation data: nothing to evaluate during training
-    with refusals_of_the_model():
-        trainer = TricksTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_datasets.get("validation"),
-            processing_class=tokenizer,
-            data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-            compute_metrics=split_metrics.get("validation"),
-            preprocess_logits_for_metrics=predict,
-        )
-
-    # ---- Train, evaluate, predict; all_results.json last ----
-    output_dir = Path(training_args.output_dir)
-    record = {**data_record(splits, labels), **truncation}
-    train_evaluate_predict(
-        trainer,
+    predict, split_metrics = _setup_metrics(data_args, labels, eval_datasets)
+    trainer = build_trainer(
+        TricksTrainer,
+        training_args,
         train_dataset,
         eval_datasets,
-        lambda output: write_predictions(
-            output_dir / "test_predictions.csv",
-            eval_examples["test"],
-            output.predictions,
-            id2label,
-            data_args.label_delimiter,
-        ),
-        split_metrics,
-        record,
+        model=model,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+        compute_metrics=split_metrics.get("validation"),
+        preprocess_logits_for_metrics=predict,
     )
+
+    # ---- Train, evaluate, predict; all_results.json last ----
+    def write_test_predictions(output):
+        path, id2label = Path(training_args.output_dir) / "test_predictions.csv", dict(enumerate(labels))
+        write_predictions(path, eval_examples["test"], output.predictions, id2label, data_args.label_delimiter)
+
+    record = {**data_record(splits, labels), **truncation}
+    train_evaluate_predict(trainer, train_dataset, eval_datasets, write_test_predictions, split_metrics, record)
+
+
+def _setup_metrics(data_args: ClassificationDataArguments, labels: list[str], eval_datasets: dict):
+    """``(preprocess_logits_for_metrics, {split: compute_metrics})``: the predicted label ids (multi-label: every
+    label over ``--threshold``) and their scores."""
+    if data_args.multi_label:
+        split_metrics = {split: multi_label_compute_metrics(len(ds)) for split, ds in eval_datasets.items()}
+        return predict_labels(data_args.threshold), split_metrics
+    split_metrics = {
+        split: classification_compute_metrics(len(labels), len(ds)) for split, ds in eval_datasets.items()
+    }
+    return (lambda logits, labels: logits.argmax(dim=-1)), split_metrics
 
 
 if __name__ == "__main__":

@@ -42,13 +42,14 @@ def read_ner_predictions(path: str | Path) -> list[tuple[list[str], list[str]]]:
 
 
 def ner_rows(path: str | Path) -> np.ndarray:
-    """Per sentence: (entities right, entities predicted, gold entities, words right, words), seqeval's entities
-    (the default mode: an I- tag after O opens an entity, as conlleval)."""
-    from seqeval.metrics.sequence_labeling import get_entities
+    """Per sentence: (entities right, entities predicted, gold entities, words right, words), the entities of tags
+    in any scheme read by one rule (:func:`nlp_tricks.data.schemes.tags_to_spans`: conlleval's lenient reading, as
+    seqeval's default mode; IOB1, IOB2, BIOES, BMES, BILOU), as the NER recipe scores them."""
+    from nlp_tricks.data.schemes import tags_to_spans
 
     rows = []
     for gold, pred in read_ner_predictions(path):
-        gold_entities, pred_entities = set(get_entities(gold)), set(get_entities(pred))
+        gold_entities, pred_entities = set(tags_to_spans(gold)), set(tags_to_spans(pred))
         right_words = sum(g == p for g, p in zip(gold, pred))
         rows.append(
             (len(gold_entities & pred_entities), len(pred_entities), len(gold_entities), right_words, len(gold))

@@ -43,8 +43,6 @@ docs/recipes.md, "K-fold ensembles", and docs/evidence.md, "Sweeps on a cluster"
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 import time
@@ -53,146 +51,32 @@ from typing import NamedTuple
 
 import numpy as np
 
-from nlp_tricks.data import DataError, check_labels, kfold_assignment, label_list
+from nlp_tricks.data import DataError
 
 import sweep
 from ablation import multi_label_requested
 from ensemble_folder import (
     TASKS,
     EnsembleTask,
-    MemberOutput,
     NerSpanEnsembleTask,
     predict_members,
     prediction_args,
     rescore,
     write_manifest,
 )
-
-# The recipe flags the runner sets for every fold (its data files, its folder): given after --, they only choose
-# the data the runner reads, and are not passed on.
-RUNNER_FLAGS = (
-    "output_dir",
-    "overwrite_output_dir",
-    "train_file",
-    "validation_file",
-    "test_file",
-    "dataset_name",
-    "dataset_config_name",
-    "max_train_samples",
-    "max_eval_samples",
-    "split_seed",
-    "tag_names",
-    "entity_types",
+from kfold_data import (
+    REFUSED_FLAGS,
+    RUNNER_FLAGS,
+    cut_folds,
+    example_record,
+    given_flags,
+    is_span_task,
+    jsonl_text,
+    read_training_data,
+    strip_flags,
+    write_if_changed,
 )
-# Recipe flags that contradict a k-fold run.
-REFUSED_FLAGS = {
-    "num_folds": "the runner cuts the folds (--folds)",
-    "fold": "the runner runs every fold (--folds)",
-    "resume_from_checkpoint": "a fold that did not finish is run again from its start",
-}
-
-
-# ---- Flags --------------------------------------------------------------------------------------------------------
-
-
-def flag_name(arg: str) -> str | None:
-    """``--max_steps`` / ``--max_steps=2`` / ``--max-steps`` -> ``max_steps``; None for a value."""
-    if not arg.startswith("--") or len(arg) == 2:
-        return None
-    return arg[2:].split("=", 1)[0].replace("-", "_")
-
-
-def given_flags(flags: list[str]) -> set[str]:
-    return {name for name in map(flag_name, flags) if name}
-
-
-def strip_flags(flags: list[str], names) -> list[str]:
-    """``flags`` without the named flags and their values (``--flag v``, ``--flag v1 v2``, ``--flag=v``)."""
-    out, i = [], 0
-    while i < len(flags):
-        name = flag_name(flags[i])
-        if name in names:
-            i += 1
-            if "=" not in flags[i - 1]:
-                while i < len(flags) and flag_name(flags[i]) is None:
-                    i += 1
-            continue
-        out.append(flags[i])
-        i += 1
-    return out
-
-
-# ---- Data ---------------------------------------------------------------------------------------------------------
-
-
-def is_span_task(task: EnsembleTask) -> bool:
-    return isinstance(task, NerSpanEnsembleTask)
-
-
-def read_training_data(task: EnsembleTask, data_args, model_args=None) -> dict:
-    """The recipe's training split and test split as lists, and the label list every fold uses: NER's from the
-    whole training split (passed to each fold as ``--tag_names``; a span head's entity types as
-    ``--entity_types``), classification's from the training examples (stratified folds give every fold each of
-    them); a test label outside it is a ``file:line`` error here."""
-    recipe = task.recipe
-    if is_span_task(task):
-        # The types of a saved span model, or --entity_types, or the whole training split's: --entity_types of
-        # every fold, so a fold whose training part lacks a type still has it.
-        types, known_from = recipe.span_types(data_args, model_args)
-        splits, labels, train_examples, eval_examples = recipe.read_span_data(data_args, types, known_from)
-    else:
-        splits, labels, train_examples, eval_examples = recipe.read_data(data_args)
-    train = [dict(ex) for ex in train_examples]
-    test = [dict(ex) for ex in eval_examples["test"]] if "test" in eval_examples else None
-    if task.name == "classification":
-        labels = label_list(train, "label")
-        if test:
-            check_labels(test, "label", labels, splits["test"][1])
-    return {
-        "train": train,
-        "test": test,
-        "labels": labels,
-        "sources": {split: source for split, (_, source) in splits.items() if split in ("train", "test")},
-    }
-
-
-def cut_folds(task: EnsembleTask, examples: list[dict], k: int, seed: int, source, context: str = "") -> list[int]:
-    """The fold of each example (stratified by label for classification); a cut the examples do not allow is one
-    ``DataError`` naming ``source`` and ``--folds`` (after ``context``, what the caller says of the examples)."""
-    stratify = [ex["label"] for ex in examples] if task.name == "classification" else None
-    try:
-        return kfold_assignment(len(examples), k, seed, stratify)
-    except ValueError as err:
-        raise DataError(source, None, f"{context}--folds {k}: {err}") from None
-
-
-def example_record(task: EnsembleTask, ex: dict, data_args, example_id) -> dict:
-    """One example as a JSON-lines record the recipe reads with the user's column flags, with its ``id``."""
-    if is_span_task(task):  # the span recipe's nested JSON lines: word indices, end exclusive
-        entities = [{"start": e["start"], "end": e["end"], "type": e["type"]} for e in ex["entities"]]
-        return {"id": example_id, data_args.tokens_column: ex["tokens"], "entities": entities}
-    if task.name == "ner":
-        return {"id": example_id, data_args.tokens_column: ex["tokens"], data_args.tags_column: ex["ner_tags"]}
-    record = {"id": example_id, data_args.text_column: ex["text"], data_args.label_column: ex["label"]}
-    if "text_pair" in ex:
-        record[data_args.text_pair_column] = ex["text_pair"]
-    return record
-
-
-def jsonl_text(records: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
-
-def write_if_changed(path: Path, text: str) -> bool:
-    """Write ``text`` to ``path`` (atomically) unless it holds it already; whether it changed."""
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return True
-
+from kfold_student import pseudo_labels, student_flags, train_student
 
 # ---- Jobs ---------------------------------------------------------------------------------------------------------
 
@@ -216,22 +100,13 @@ class FoldFailed(RuntimeError):
 def run_fold(job: FoldJob) -> dict:
     """Run one fold (unless it finished with these flags: ``sweep.run_one``); its record. A plain function of a
     :class:`FoldJob`: the local executor's way to run a job, replaced by tests that run folds in this process."""
-    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env)
+    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env, label="kfold")
 
 
 def share_of_cores(jobs: int) -> int:
     """A fold's threads when ``OMP_NUM_THREADS`` is not set: the cores shared out among the folds at a time."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // jobs)
-
-
-def train_runtime(folder: Path) -> float | None:
-    """The Trainer's own training time (``train_runtime``, its last log entry) of the run saved in ``folder``."""
-    state = folder / "trainer_state.json"
-    if not state.is_file():
-        return None
-    logged = [e["train_runtime"] for e in json.loads(state.read_text()).get("log_history", []) if "train_runtime" in e]
-    return logged[-1] if logged else None
 
 
 def invalidate(run_dir: Path) -> None:
@@ -323,6 +198,8 @@ class KFold:
             flags += ["--entity_types", *self.labels]
         elif self.task.name == "ner":
             flags += ["--tag_names", *self.labels]
+        if self.task.name == "ner":  # every fold writes its predictions in the training file's tag scheme
+            flags += ["--tag_scheme", self.data_args.tag_scheme]
         return flags
 
     def fold_job(self, r: int, fold: int, pseudo: list[dict]) -> FoldJob:
@@ -448,176 +325,6 @@ class KFold:
             return "CRF: mean word emissions and mean start / transition / end scores, one Viterbi decoding"
         return "mean of the folds' word probabilities (first sub-tokens)"
 
-    # ---- Pseudo-labels ----
-
-    def pseudo_labels(self, r: int, predicted: dict) -> tuple[list[list[dict]], list[dict]]:
-        """For round ``r + 1``: per fold k, F labelled by fold model k of round ``r`` (never a model that saw fold
-        k's held-out part), as JSON-lines records, with a provenance file each; and the counts."""
-        from nlp_tricks.ensemble import crf_with_scores
-        from nlp_tricks.self_training import classification_pseudo_labels, ner_pseudo_labels
-
-        task, threshold = self.task, self.args.confidence_threshold
-        self_training_task = task.recipe.NER_TASK if task.name == "ner" else task.recipe.CLASSIFICATION_TASK
-        per_fold, stats = [], []
-        for fold in range(self.args.folds):
-            output: MemberOutput = predicted["outputs"][fold]["unlabeled"]
-            if is_span_task(task):
-                records = self.span_pseudo_labels(output)
-                per_fold.append(records)
-                stats.append(self.pseudo_label_stat(r, fold, len(records)))
-                continue
-            if task.name == "ner":
-                rows = [np.flatnonzero(~np.isnan(w).any(axis=-1)) for w in output.word_logits]
-                crf = crf_with_scores(*output.potentials) if output.potentials is not None else None
-                pseudo = ner_pseudo_labels(
-                    [w[seen] for w, seen in zip(output.word_logits, rows)], [s.tolist() for s in rows], threshold, crf
-                )
-            else:
-                pseudo = classification_pseudo_labels(list(output.logits), threshold)
-            examples = self_training_task.pseudo_examples(self.unlabeled, pseudo, self.labels)
-            records = [
-                example_record(task, ex, self.data_args, f"unlabeled{i}") for i, ex in zip(pseudo.indices, examples)
-            ]
-            per_fold.append(records)
-            stats.append(self.pseudo_label_stat(r, fold, len(records)))
-        return per_fold, stats
-
-    def pseudo_label_stat(self, r: int, fold: int, kept: int) -> dict:
-        """The provenance file of fold ``fold``'s pseudo-labels for round ``r + 1`` (written), and its record."""
-        from common import write_json_atomic
-
-        teacher = self.round_dir(r) / f"fold{fold}"
-        stat = {
-            "fold": fold,
-            "teacher": str(teacher.relative_to(self.out)),
-            "teacher_round": r,
-            "teacher_fold": fold,
-            "unlabeled": len(self.unlabeled),
-            "kept": kept,
-            "confidence_threshold": self.args.confidence_threshold,
-            "unlabeled_file": str(self.args.unlabeled_file),
-        }
-        write_json_atomic(self.data_dir / f"round{r + 1}_fold{fold}_pseudo_labels.json", stat)
-        return stat
-
-    def span_pseudo_labels(self, output: MemberOutput) -> list[dict]:
-        """F labelled by one span model: each sentence with the entities it decodes alone (flat or nested, as it
-        was trained), cut after the last word it saw (truncation cut the rest); a sentence it saw no word of is
-        left out."""
-        records = []
-        spans = self.task.member_predictions(output, self.labels)
-        for i, (ex, scores, found) in enumerate(zip(self.unlabeled, output.span_scores, spans)):
-            seen = np.flatnonzero(~np.isnan(np.diagonal(scores, axis1=1, axis2=2)).any(axis=0))
-            if not len(seen):
-                continue
-            n = int(seen[-1]) + 1
-            example = {
-                "tokens": ex["tokens"][:n],
-                "entities": [{"type": t, "start": a, "end": b} for t, a, b in found],
-            }
-            records.append(example_record(self.task, example, self.data_args, f"unlabeled{i}"))
-        return records
-
-    # ---- The student ----
-
-    def train_student(self, predicted: dict) -> dict:
-        """One student on every training example (soft target: the out-of-fold one, from the fold model that did
-        not see it) and F (soft target: the ensemble's; hard label: its prediction), distilled through
-        ``teacher_logits``; its test predictions and ``all_results.json`` in ``DIR/student``."""
-        from datasets import Dataset
-
-        import self_training
-        from common import prepare_output_dir, resolve_model_path, write_json_atomic
-
-        task, labels, folder = self.task, self.labels, self.out / "student"
-        outputs = predicted["outputs"]
-        soft: list = [None] * len(self.train)
-        for fold in range(self.args.folds):
-            for i, target in zip(self.heldout[fold], task.soft_targets([outputs[fold]["heldout"]])):
-                soft[i] = target
-        examples = [dict(ex) for ex in self.train]
-        if self.unlabeled is not None:
-            unlabeled_outputs = [o["unlabeled"] for o in outputs]
-            hard = task.combine(unlabeled_outputs, labels, self.args.ensemble_vote)
-            for ex, prediction, target in zip(self.unlabeled, hard, task.soft_targets(unlabeled_outputs)):
-                if task.name == "ner":
-                    seen = np.flatnonzero(~np.isnan(target).any(axis=-1))
-                    if not len(seen):
-                        continue
-                    n = int(seen[-1]) + 1  # words past the last one seen were cut: the student is not taught them
-                    examples.append({"tokens": ex["tokens"][:n], "ner_tags": prediction[:n]})
-                    soft.append(target[:n])
-                else:
-                    examples.append({"text": ex["text"], "label": prediction})
-                    soft.append(target)
-        teacher = [np.log(np.clip(np.asarray(t, dtype=np.float64), 1e-30, None)).astype(np.float32) for t in soft]
-        fingerprint = hashlib.sha256(
-            json.dumps([self.student_flags, [ex.get("tokens", ex.get("text")) for ex in examples]]).encode()
-            + b"".join(np.nan_to_num(t, nan=-1.0).tobytes() for t in teacher)
-        ).hexdigest()
-        record_path = folder / "kfold_student.json"
-        if (folder / "all_results.json").is_file() and record_path.is_file():
-            if json.loads(record_path.read_text()).get("fingerprint") == fingerprint:
-                return json.loads((folder / "all_results.json").read_text())
-        data_args, model_args, training_args = self.task.parse(self.student_flags)
-        prepare_output_dir(folder, True)
-        self_training_task = task.recipe.NER_TASK if task.name == "ner" else task.recipe.CLASSIFICATION_TASK
-        label2id = {label: i for i, label in enumerate(labels)}
-        start = time.perf_counter()
-        model, tokenizer = self_training.build_model(
-            self_training_task,
-            resolve_model_path(model_args.model_name_or_path),
-            model_args,
-            labels,
-            training_args.seed,
-        )
-        dataset = self_training_task.tokenize(examples, tokenizer, label2id, data_args, train=True)
-        column = self_training_task.teacher_logits(examples, teacher, dataset, tokenizer, label2id, data_args)
-        dataset = Dataset.from_dict({**dataset.to_dict(), "teacher_logits": [c.tolist() for c in column]})
-        model, _, metrics = self_training.train_and_evaluate(
-            self_training_task, model, tokenizer, dataset, {}, training_args, folder
-        )
-        train_seconds = time.perf_counter() - start
-        results = {
-            "train_loss": metrics.get("train_loss"),
-            "train_samples": len(dataset),
-            "train_seconds": train_seconds,
-            "train_runtime": train_runtime(folder),
-            "distill_temperature": training_args.distill_temperature,
-            "distill_alpha": training_args.distill_alpha,
-            "soft_targets": "training examples: out-of-fold; unlabelled: the ensemble's",
-            "label_list": labels,
-        }
-        if self.test is not None:
-            start = time.perf_counter()
-            output = task.predict(
-                model, tokenizer, self.test, labels, data_args, prediction_args(training_args, folder)
-            )
-            results["test_predict_seconds"] = time.perf_counter() - start
-            predictions = task.member_predictions(output, labels)
-            task.write(folder / task.predictions_file, self.test, predictions, data_args)
-            if task.name == "classification":
-                np.save(folder / "test_probabilities.npy", task.probabilities([output]))
-            results.update(
-                {f"test_{k}": v for k, v in self._main(rescore(task, folder / task.predictions_file, labels)).items()}
-            )
-            results["test_samples"] = len(self.test)
-        write_json_atomic(folder / "all_results.json", results)
-        write_json_atomic(record_path, {"fingerprint": fingerprint})
-        return results
-
-    @property
-    def student_flags(self) -> list[str]:
-        flags = strip_flags(self.fold_flags, ("crf", "crf_bio_constraints", "crf_lr_scale", "max_time"))
-        flags += ["--train_file", str(self.data_dir / "train.jsonl"), "--output_dir", str(self.out / "student")]
-        flags += ["--eval_strategy", "no"]  # no validation data: the student is scored once, on test
-        if self.test is not None:
-            flags += ["--test_file", str(self.data_dir / "test.jsonl")]
-        if self.task.name == "ner":
-            # teacher_logits are per token; the CRF scores whole paths, so the student trains without it.
-            flags += ["--tag_names", *self.labels, "--crf", "false"]
-        return flags
-
     # ---- All of it ----
 
     def run_all(self) -> dict:
@@ -630,7 +337,7 @@ class KFold:
             for name in ("all_results.json", "kfold_ensemble.json"):
                 (self.round_dir(r) / name).unlink(missing_ok=True)
         if self.args.distill:
-            self.task.parse(self.student_flags)  # the student's flags are checked before any fold trains
+            self.task.parse(student_flags(self))  # the student's flags are checked before any fold trains
         pseudo: list[list[dict]] = [[] for _ in range(self.args.folds)]
         pseudo_stats, earlier = None, []
         for r in range(self.rounds + 1):
@@ -648,11 +355,11 @@ class KFold:
             if not last:
                 write_json_atomic(self.round_dir(r) / "all_results.json", results)
                 earlier.append({k: v for k, v in results.items() if isinstance(v, int | float | str)})
-                pseudo, pseudo_stats = self.pseudo_labels(r, predicted)
+                pseudo, pseudo_stats = pseudo_labels(self, r, predicted)
         if earlier:
             results["rounds"] = earlier
         if self.args.distill:
-            student = self.train_student(predicted)
+            student = train_student(self, predicted)
             results.update(
                 {f"student_{k}": v for k, v in student.items() if k.startswith("test_") or k.startswith("train_")}
             )
@@ -664,6 +371,29 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_arguments(parser, args, recipe_flags)
+    try:
+        with sweep.make_executor(args, default_threads=share_of_cores, run=run) as executor:
+            kfold = KFold(args, TASKS[args.recipe], recipe_flags, executor=executor)
+            _check_recipe_arguments(parser, args, kfold)
+            results = kfold.run_all()
+    except (DataError, FoldFailed, sweep.SweepError) as err:
+        print(f"kfold: {err}", file=sys.stderr)
+        return 1
+    metric = getattr(TASKS[args.recipe].recipe, "MAIN_METRIC", "f1")
+    summary = {
+        k: v
+        for k, v in results.items()
+        if k in (f"oof_{metric}", f"test_{metric}", f"fold_test_{metric}_mean", f"student_test_{metric}")
+    }
+    print("[kfold] " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()), flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The runner's own flags (the recipe's go after ``--``)."""
     parser = argparse.ArgumentParser(
         prog="python recipes/kfold.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -705,7 +435,11 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
         "soft targets, in DIR/student/",
     )
     sweep.add_arguments(parser, what="folds")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args, recipe_flags: list[str]) -> None:
+    """The runner's flags and the recipe flags it refuses, before anything runs: one line each (exit 2)."""
     args.distill = args.distill == "true"
     if args.folds < 2:
         parser.error(f"--folds {args.folds}: it must be >= 2")
@@ -735,34 +469,23 @@ def main(argv: list[str] | None = None, run=run_fold) -> int:
             "--distill true: the student learns soft targets (teacher_logits), which --class_weights do not weigh"
         )
 
-    try:
-        with sweep.make_executor(args, default_threads=share_of_cores, run=run) as executor:
-            kfold = KFold(args, TASKS[args.recipe], recipe_flags, executor=executor)
-            if kfold.training_args.do_train is False:
-                parser.error("--do_train false after --: every fold trains")
-            span_head = kfold.training_args.span_head if args.recipe == "ner" else None
-            if span_head is not None and args.distill:
-                parser.error(
-                    f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
-                    "(teacher_logits), which a span head does not take; drop --distill"
-                )
-            if span_head is not None and args.confidence_threshold > 0:
-                parser.error(
-                    f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores "
-                    "are not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
-                )
-            results = kfold.run_all()
-    except (DataError, FoldFailed, sweep.SweepError) as err:
-        print(f"kfold: {err}", file=sys.stderr)
-        return 1
-    metric = getattr(TASKS[args.recipe].recipe, "MAIN_METRIC", "f1")
-    summary = {
-        k: v
-        for k, v in results.items()
-        if k in (f"oof_{metric}", f"test_{metric}", f"fold_test_{metric}_mean", f"student_test_{metric}")
-    }
-    print("[kfold] " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()), flush=True)
-    return 0
+
+def _check_recipe_arguments(parser: argparse.ArgumentParser, args, kfold: KFold) -> None:
+    """What the parsed recipe flags do not combine with (every fold trains; a span head's scores are no
+    probabilities and cannot be distilled)."""
+    if kfold.training_args.do_train is False:
+        parser.error("--do_train false after --: every fold trains")
+    span_head = kfold.training_args.span_head if args.recipe == "ner" else None
+    if span_head is not None and args.distill:
+        parser.error(
+            f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
+            "(teacher_logits), which a span head does not take; drop --distill"
+        )
+    if span_head is not None and args.confidence_threshold > 0:
+        parser.error(
+            f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores "
+            "are not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
+        )
 
 
 if __name__ == "__main__":

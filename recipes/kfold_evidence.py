@@ -45,7 +45,7 @@ import evidence
 from nlp_tricks.data import DataError, split_examples
 
 from ensemble_folder import TASKS
-from kfold import cut_folds, example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
+from kfold_data import cut_folds, example_record, jsonl_text, read_training_data, strip_flags, write_if_changed
 from sweep import run_one
 
 HERE = Path(__file__).resolve().parent

@@ -71,6 +71,7 @@ from nlp_tricks.masked_lm import MaskedLMTrainer
 from common import (
     DataArguments,
     ModelArguments,
+    build_trainer,
     load_config_and_tokenizer,
     load_splits,
     load_weights,
@@ -90,7 +91,6 @@ RECIPE_DEFAULTS = {
     # 7.31 at 1x). Set 1 for a model whose MLM head is trained.
     "head_lr_scale": 10.0,
     "warmup_steps": 0.06,
-    "logging_steps": 25,
     "eval_strategy": "no",
     "save_strategy": "no",
 }
@@ -102,26 +102,21 @@ DEMO_DEFAULTS = {"max_train_samples": 1600, "max_eval_samples": 256}
 class PretrainingDataArguments(DataArguments):
     """Where the unlabelled text comes from, how it is packed and masked."""
 
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (the BBC News articles of the classification demo, without its test articles; offline) "
+    FLAG_HELP = {
+        "dataset_name": (
+            "'demo' (the BBC News articles of the classification demo, without its test articles; offline) "
             "or a Hub dataset (e.g. wikitext with --dataset_config_name wikitext-2-raw-v1). Ignored with --train_file."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "Unlabelled text: .txt (documents separated by blank lines; one per line if the file has no "
+        ),
+        "train_file": (
+            "Unlabelled text: .txt (documents separated by blank lines; one per line if the file has no "
             "blank line), or CSV (header row) / JSON lines with --text_column."
-        },
-    )
-    validation_file: str | None = field(
-        default=None, metadata={"help": "Held-out text for the masked-LM loss before and after, same formats."}
-    )
-    test_file: str | None = field(
-        default=None, metadata={"help": "More held-out text, same formats: its loss is reported as test_loss."}
-    )
+        ),
+        "validation_file": "Held-out text for the masked-LM loss before and after, same formats.",
+        "test_file": "More held-out text, same formats: its loss is reported as test_loss.",
+        "max_train_samples": "Keep only the first N training blocks. Default: all; the demo: 1600 (100 steps).",
+        "max_eval_samples": "Keep only the first N validation (and test) blocks. Default: all; the demo: 256.",
+    }
+
     text_column: str = field(default="text", metadata={"help": "Column / field of the text (CSV, JSON lines, Hub)."})
     max_seq_length: int = field(
         default=128, metadata={"help": "Tokens per block, special tokens included; documents are packed into blocks."}
@@ -136,14 +131,6 @@ class PretrainingDataArguments(DataArguments):
     validation_split_percentage: float = field(
         default=5.0,
         metadata={"help": "Without validation data: the percentage of training documents held out for it."},
-    )
-    max_train_samples: int | None = field(
-        default=None,
-        metadata={"help": "Keep only the first N training blocks. Default: all; the demo: 1600 (100 steps)."},
-    )
-    max_eval_samples: int | None = field(
-        default=None,
-        metadata={"help": "Keep only the first N validation (and test) blocks. Default: all; the demo: 256."},
     )
     streaming: bool = field(
         default=False,
@@ -302,20 +289,7 @@ def main() -> None:
     # The collator needs the blocks' word_ids (the Trainer would drop them), and evaluation is the loss alone.
     training_args.remove_unused_columns = False
     training_args.prediction_loss_only = True
-
-    # ---- Data: read everything (and fail on bad input) before any training ----
-    if data_args.streaming:
-        if training_args.max_steps <= 0:
-            raise DataError(None, None, "--streaming needs --max_steps N: a stream of blocks has no length")
-        check_file(data_args.train_file, data_args.text_column)
-        streamed_train, data_args.train_file = data_args.train_file, data_args.validation_file
-        # The held-out files alone are read into splits; --validation_file stands in as train to be read.
-        with training_args.main_process_first(desc="reading the data"):
-            splits = load_texts(data_args)
-        data_args.train_file = streamed_train
-    else:
-        with training_args.main_process_first(desc="reading the data"):
-            splits = load_texts(data_args)
+    splits = _read_data(data_args, training_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
     config, tokenizer = load_config_and_tokenizer(model_path, model_args.tokenizer_name, model_args.trust_remote_code)
     check_tokenizer(tokenizer, data_args, model_path)
@@ -325,33 +299,17 @@ def main() -> None:
         whole_word_mask=data_args.whole_word_masking,
         pad_to_multiple_of=8,
     )
-
-    def blocks(split: str, limit: int | None) -> Dataset:
-        return first_rows(pack_split(splits[split][0], tokenizer, data_args.max_seq_length), limit)
-
     with training_args.main_process_first(desc="packing the data"):
-        if data_args.streaming:
-            train_dataset = streamed_blocks(
-                data_args.train_file, data_args.text_column, tokenizer, data_args.max_seq_length
-            )
-            if data_args.max_train_samples is not None:
-                train_dataset = train_dataset.take(data_args.max_train_samples)
-        else:
-            train_dataset = blocks("train", data_args.max_train_samples)
-        # The held-out blocks are masked once, in memory: their predictions are the Trainer's, in memory too.
-        eval_datasets = {
-            split: collator.mask_once(blocks(split, data_args.max_eval_samples), seed=training_args.seed)
-            for split in ("validation", "test")
-            if split in splits and len(splits[split][0])
-        }
+        train_dataset, eval_datasets = _pack_data(data_args, training_args, splits, tokenizer, collator)
 
     # ---- Model ----
     model = load_weights(AutoModelForMaskedLM, model_path, config, model_args.trust_remote_code)
-    trainer = MaskedLMTrainer(
+    trainer = build_trainer(
+        MaskedLMTrainer,
+        training_args,
+        train_dataset,
+        eval_datasets,
         model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_datasets["validation"],
         processing_class=tokenizer,
         data_collator=collator,
         sparse=model_args.sparse_prediction,
@@ -362,6 +320,46 @@ def main() -> None:
     if training_args.do_train:
         before = {"eval_loss_before": trainer.evaluate()["eval_loss"]}
     train_evaluate_predict(trainer, train_dataset, eval_datasets, extra_results=add_perplexities(before))
+
+
+def _read_data(data_args: PretrainingDataArguments, training_args) -> dict:
+    """The splits, every file read (and bad input refused) before any training; with ``--streaming`` the training
+    file is only checked here (it is read block by block as training asks for them)."""
+    if not data_args.streaming:
+        with training_args.main_process_first(desc="reading the data"):  # the others read the main process's cache
+            return load_texts(data_args)
+    if training_args.max_steps <= 0:
+        raise DataError(None, None, "--streaming needs --max_steps N: a stream of blocks has no length")
+    check_file(data_args.train_file, data_args.text_column)
+    streamed_train, data_args.train_file = data_args.train_file, data_args.validation_file
+    # The held-out files alone are read into splits; --validation_file stands in as train to be read.
+    with training_args.main_process_first(desc="reading the data"):
+        splits = load_texts(data_args)
+    data_args.train_file = streamed_train
+    return splits
+
+
+def _pack_data(data_args: PretrainingDataArguments, training_args, splits: dict, tokenizer, collator):
+    """``(train_dataset, eval_datasets)``: the texts packed into blocks (a stream of them with ``--streaming``); the
+    held-out blocks masked once, in memory (their predictions are the Trainer's, in memory too)."""
+
+    def blocks(split: str, limit: int | None) -> Dataset:
+        return first_rows(pack_split(splits[split][0], tokenizer, data_args.max_seq_length), limit)
+
+    if data_args.streaming:
+        train_dataset = streamed_blocks(
+            data_args.train_file, data_args.text_column, tokenizer, data_args.max_seq_length
+        )
+        if data_args.max_train_samples is not None:
+            train_dataset = train_dataset.take(data_args.max_train_samples)
+    else:
+        train_dataset = blocks("train", data_args.max_train_samples)
+    eval_datasets = {
+        split: collator.mask_once(blocks(split, data_args.max_eval_samples), seed=training_args.seed)
+        for split in ("validation", "test")
+        if split in splits and len(splits[split][0])
+    }
+    return train_dataset, eval_datasets
 
 
 if __name__ == "__main__":

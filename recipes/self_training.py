@@ -38,6 +38,8 @@ Features:
 from __future__ import annotations
 
 import copy
+import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,13 +55,16 @@ from nlp_tricks.self_training import PseudoLabels, TeacherLogitsCollator, predic
 
 from classification import CLASSIFICATION_TASK, ClassificationDataArguments
 from common import (
+    DataArguments,
     ModelArguments,
     check_label_arguments,
     exit_if_preempted,
     is_main_process,
+    print_summary,
     resolve_model_path,
     run_recipe,
     start_recipe,
+    user_tricks,
     write_json_atomic,
 )
 from ner import NER_TASK, NerDataArguments
@@ -74,7 +79,6 @@ RECIPE_DEFAULTS = {
     "weight_decay": 0.01,
     "head_lr_scale": 10.0,
     "eval_strategy": "no",
-    "logging_steps": 50,
     "save_strategy": "no",
 }
 
@@ -128,18 +132,16 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     """Where the labelled, unlabelled and evaluation data come from: the NER and classification recipes' data
     arguments (each task reads its own), plus the unlabelled data."""
 
-    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
-    dataset_name: str = field(
-        default="demo",
-        metadata={
-            "help": "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
+    FLAG_HELP = {
+        "dataset_name": (
+            "'demo' (NER: WNUT-16 tweets; classification: BBC News; offline) or a Hub dataset. Ignored when "
             "--train_file is given."
-        },
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={"help": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines."},
-    )
+        ),
+        "train_file": "Labelled data. NER: CoNLL or JSON lines; classification: CSV or JSON lines.",
+        "split_seed": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction.",
+    }
+
+    task: str = field(default="ner", metadata={"help": "The task.", "choices": list(TASKS)})
     unlabeled_file: str | None = field(
         default=None,
         metadata={
@@ -156,9 +158,6 @@ class SelfTrainingDataArguments(NerDataArguments, ClassificationDataArguments):
     )
     max_unlabeled_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N unlabelled examples."}
-    )
-    split_seed: int = field(
-        default=42, metadata={"help": "Seed of the 80/10/10 split of single-split data and of --unlabeled_fraction."}
     )
 
     def __post_init__(self):
@@ -275,6 +274,7 @@ def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, 
         processing_class=tokenizer,
         data_collator=TeacherLogitsCollator(task.collator(tokenizer), tokenizer.padding_side),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(dim=-1),
+        tricks=user_tricks(args),
     )
     train_result = trainer.train()
     exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---
@@ -460,6 +460,14 @@ def main() -> None:
         }
         write_json_atomic(out / "self_training_results.json", results)
         print(format_table(task, rounds), flush=True)
+        print_summary(
+            rounds[-1]["student"],  # the headline: the last round's student, the model a user takes
+            out,
+            model_dir=out / f"round_{len(rounds)}" / "student",
+            metrics_file="self_training_results.json",
+            predict_script=str(Path(sys.argv[0]).with_name(f"{data_args.task}.py")),
+            predict_data_flags={f.name for f in dataclasses.fields(DataArguments)},
+        )
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ def run_one(
     node: str | None = None,
     die_with_parent: bool = False,
     where: str | None = None,
+    label: str = "ablation",
 ) -> dict:
     """Run ``script`` once (unless it finished with these flags); return its record: results, time, memory, node.
 
@@ -116,6 +117,7 @@ def run_one(
         node: where it runs, written into the record (default this machine's host name; Ray: the node id).
         die_with_parent: the run is killed when this process dies (Linux; the Ray backend's tasks).
         where: how a failure names the place it ran (default ``node``).
+        label: the tag of the lines it prints (``[ablation]``; the k-fold run's ``[kfold]``).
     """
     run_dir = Path(run_dir)
     results_path = run_dir / "all_results.json"
@@ -124,12 +126,12 @@ def run_one(
     if record is not None:
         return record
     if results_path.is_file() and record_path.is_file():
-        print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
+        print(f"[{label}] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     node = node or socket.gethostname()
     # The runner owns run_dir: what an earlier attempt left there (other flags, a crash) is replaced.
     command = [sys.executable, script, "--output_dir", str(run_dir), "--overwrite_output_dir", "true", *flags]
-    print(f"[ablation] {' '.join(command)}", flush=True)
+    print(f"[{label}] {' '.join(command)}", flush=True)
     preexec = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
     start = time.perf_counter()
     with open(run_dir / LOG, "w") as log:
@@ -340,6 +342,20 @@ def gpu_slots(gpus: list[str], gpus_per_run: float) -> list[str]:
     return [gpu for _ in range(share) for gpu in gpus]
 
 
+def finished_outcomes(jobs: list) -> tuple[list[Outcome | None], list[int]]:
+    """``(outcomes, todo)``: the :class:`Outcome` of each job that finished with its flags (``None`` for the
+    others), and the indices of those still to run."""
+    outcomes: list[Outcome | None] = [None] * len(jobs)
+    todo = []
+    for i, job in enumerate(jobs):
+        record = finished_record(job.run_dir, job.flags)
+        if record is None:
+            todo.append(i)
+        else:
+            outcomes[i] = Outcome(job, record)
+    return outcomes, todo
+
+
 class LocalExecutor:
     """Runs on this machine, ``jobs`` at a time, each with its own GPUs where there are GPUs (see the module)."""
 
@@ -390,14 +406,7 @@ class LocalExecutor:
 
     def run(self, jobs: list, out: Path, metric: str | None = None, label: str = "sweep") -> list[Outcome]:
         """Every job (a NamedTuple with :class:`Job`'s fields); an :class:`Outcome` each, in ``jobs``' order."""
-        outcomes: list[Outcome | None] = [None] * len(jobs)
-        todo = []
-        for i, job in enumerate(jobs):
-            record = finished_record(job.run_dir, job.flags)
-            if record is None:
-                todo.append(i)
-            else:
-                outcomes[i] = Outcome(job, record)
+        outcomes, todo = finished_outcomes(jobs)
         progress = Progress(len(jobs), len(jobs) - len(todo), metric, Path(out), label)
         slots: queue.Queue = queue.Queue()
         for slot in self.slots:
@@ -589,14 +598,7 @@ class RayExecutor:
         each, in ``jobs``' order. Raises :class:`SweepError` when a node cannot use the output folder."""
         ray = self.ray
         out = Path(out)
-        outcomes: list[Outcome | None] = [None] * len(jobs)
-        todo = []
-        for i, job in enumerate(jobs):
-            record = finished_record(job.run_dir, job.flags)
-            if record is None:
-                todo.append(i)
-            else:
-                outcomes[i] = Outcome(job, record)
+        outcomes, todo = finished_outcomes(jobs)
         out.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
         marker = out / f".sweep_{token}"

@@ -32,6 +32,7 @@ from nlp_tricks.data import (
     read_table_file,
     read_text_sentences,
 )
+from nlp_tricks.data.schemes import SCHEMES, resolve_scheme, scan_examples, tags_to_spans
 
 # Characters Python's str.split() or str.splitlines() break at that are not ASCII whitespace: inside a token.
 SEPARATORS = "\u2028\u2029\x85\x1c\x1d\x1e\x1f\xa0\u3000\u2009\u202f\u1680\u205f"
@@ -57,10 +58,14 @@ class Case:
     name: str
     suffix: str
     data: bytes
-    reader: str  # "conll", "conll_tokens", "ner", "table", "text"
+    reader: str  # "conll", "conll_tokens", "ner", "table", "text", "entities"
     kwargs: dict = field(default_factory=dict)
     expected: list[dict] | None = None  # the records, when the file is valid
     refused_line: int | None = None  # the line of the DataError, when it is not (None: the whole file)
+
+
+def _read_entities(path, **kwargs):
+    return read_entities(path, **kwargs)
 
 
 READERS = {
@@ -69,6 +74,7 @@ READERS = {
     "ner": read_ner_file,
     "table": read_table_file,
     "text": read_text_sentences,
+    "entities": _read_entities,
 }
 
 
@@ -151,13 +157,80 @@ class FileWriter:
 
 # ---- CoNLL --------------------------------------------------------------------------------------------------------
 
+# The prefixes each tag scheme writes an entity's words with: (begin, inside, end, single); IOB1 writes I- for the
+# first word unless the entity directly follows one of its type (then B-).
+SCHEME_WRITING = {
+    "iob1": ("I", "I", "I", "I"),
+    "iob2": ("B", "I", "I", "B"),
+    "bioes": ("B", "I", "E", "S"),
+    "bmes": ("B", "M", "E", "S"),
+    "bilou": ("B", "I", "L", "U"),
+}
+TYPES = ("PER", "LOC", "ORG")
+CJK = "中国人民银行北京上海东京大学日本語漢字"
 
-def conll_case(rng: random.Random, name: str, kind: str, broken: str | None) -> Case:
-    """CoNLL NER (``kind``: ``"2col"``, ``"4col"``, ``"tab"``) or one word per line (``"1col"``, read as tokens)."""
+
+def draw_spans(rng: random.Random, length: int, first_entity: bool = False) -> list[tuple[str, int, int]]:
+    """Non-overlapping entities ``(type, start, end exclusive)`` over ``length`` words, in order; some adjacent."""
+    spans, i = [], 0
+    while i < length:
+        if (first_entity and i == 0) or rng.random() < 0.4:
+            end = min(length, i + rng.choice([1, 1, 2, 3, 4]))
+            spans.append((rng.choice(TYPES), i, end))
+            i = end
+        else:
+            i += 1
+    return spans
+
+
+def write_scheme_tags(spans: list[tuple[str, int, int]], length: int, scheme: str) -> list[str]:
+    """The tags of ``length`` words holding ``spans`` in ``scheme``, written out here from the schemes' definitions
+    (never by the library's writer)."""
+    begin, inside, end_prefix, single = SCHEME_WRITING[scheme]
+    tags, ended = ["O"] * length, {}
+    for kind, start, end in spans:
+        if scheme == "iob1":
+            first = "B" if ended.get(start) == kind else "I"
+        else:
+            first = single if end - start == 1 else begin
+        tags[start] = f"{first}-{kind}"
+        for i in range(start + 1, end):
+            tags[i] = f"{end_prefix if i == end - 1 else inside}-{kind}"
+        ended[end] = kind
+    return tags
+
+
+def expected_scheme(scheme: str, all_tags: list[str]) -> str:
+    """The scheme a file written in ``scheme`` reads as: IOB2 without entities; BIOES for BMES with no M- tag (the
+    two agree on every other prefix)."""
+    if all(tag == "O" for tag in all_tags):
+        return "iob2"
+    if scheme == "bmes" and not any(tag.startswith("M-") for tag in all_tags):
+        return "bioes"
+    return scheme
+
+
+def comment_line(rng: random.Random, width: int, n: int) -> str:
+    """A comment line above a sentence: CoNLL-U's ``# sent_id = s3`` (as many words as a 4-column file has),
+    ``# text = ...`` or MultiCoNER's ``# id ...<TAB>domain=en``; its last word is never a tag."""
+    return rng.choice(
+        [
+            f"# sent_id = s{n}",
+            "# text = " + " ".join("".join(rng.choice(LOWER) for _ in range(3)) for _ in range(max(1, width - 3))),
+            f"# id {rng.randrange(16**8):08x}\tdomain=en",
+        ]
+    )
+
+
+def conll_case(rng: random.Random, name: str, kind: str, broken: str | None, scheme: str | None = None) -> Case:
+    """CoNLL NER (``kind``: ``"2col"``, ``"4col"``, ``"tab"``, ``"tab4"``) or one word per line (``"1col"``, read as
+    tokens), comment lines above some sentences; with ``scheme`` the tags are entities written in that scheme (and
+    sometimes read as entities), with ``cjk`` in the name one CJK character per line."""
     w = FileWriter(rng)
     tagged = kind != "1col"
-    width = {"1col": 1, "2col": 2, "4col": 4, "tab": 2}[kind]
-    sep = "\t" if kind == "tab" else None
+    width = {"1col": 1, "2col": 2, "4col": 4, "tab": 2, "tab4": 4}[kind]
+    sep = "\t" if kind.startswith("tab") else None
+    cjk = "cjk" in name
     sentences = []
     n_sentences = rng.randint(1, 6)
     if broken in ("space_in_token", "one_line_extra_column") and n_sentences < 2:
@@ -174,13 +247,19 @@ def conll_case(rng: random.Random, name: str, kind: str, broken: str | None) -> 
             length = 2
         if broken == "one_line_extra_column" and s != target and length < 2:
             length = 2  # the file's sentences of several lines show its column count
+        if rng.random() < 0.3:
+            w.add(comment_line(rng, width, s))
+        sentence_tags, spans = None, []
+        if scheme is not None:
+            spans = draw_spans(rng, length, s == 0)
+            sentence_tags = write_scheme_tags(spans, length, scheme)
         tokens, tags, lines = [], [], []
         for k in range(length):
-            tok = number_token(rng) if rng.random() < 0.1 else token(rng)
-            tag = rng.choice(TAGS)
+            tok = rng.choice(CJK) if cjk else number_token(rng) if rng.random() < 0.1 else token(rng)
+            tag = sentence_tags[k] if sentence_tags else rng.choice(TAGS)
             if s == 0 and k == 0:
                 tok = "".join(rng.choice(LOWER) for _ in range(3))  # a word, so the file is not tag-first
-                tag = "B-PER"  # a prefixed tag, so that a tag column holding a word is refused
+                tag = tag if sentence_tags else "B-PER"  # a prefixed tag, so that a word as a tag is refused
             columns = [tok] + [token(rng, 0.2) for _ in range(width - 2)] + ([tag] if tagged else [])
             defect = s == target and k == length - 1  # the last line of its sentence: never the sentence's first
             if defect and broken == "space_in_token":
@@ -205,18 +284,59 @@ def conll_case(rng: random.Random, name: str, kind: str, broken: str | None) -> 
             tokens.append(tok)
             tags.append(tag)
             lines.append(line)
-        sentences.append((tokens, tags, lines))
+        sentences.append((tokens, tags, lines, spans))
         for _ in range(rng.choice([1, 1, 1, 2])):
-            w.add(rng.choice(["", "", "", " ", "\t", "\xa0"]) if s < n_sentences - 1 or rng.random() < 0.5 else "")
-    if tagged:
-        expected = [{"tokens": t, "ner_tags": g, "line": ln[0], "tag_lines": ln} for t, g, ln in sentences]
-        reader = "ner" if rng.random() < 0.5 else "conll"
-    else:
-        expected = [{"tokens": t, "line": ln[0]} for t, _, ln in sentences]
-        reader = "conll_tokens"
+            w.add(
+                rng.choice(["", "", "", " ", "\t", "\xa0", "\u3000"])
+                if s < n_sentences - 1 or rng.random() < 0.5
+                else ""
+            )
     if broken == "no_tag" and not tagged:
         broken = None  # a tokens file has no tags to miss
+    if not tagged:
+        expected = [{"tokens": t, "line": ln[0]} for t, _, ln, _ in sentences]
+        return Case(name, ".conll", w.data(), "conll_tokens", {}, None if broken else expected, bad_line)
+    expected = [{"tokens": t, "ner_tags": g, "line": ln[0], "tag_lines": ln} for t, g, ln, _ in sentences]
+    if scheme is not None and rng.random() < 0.5:
+        return entities_case(name, w.data(), scheme, sentences, expected, broken, bad_line, rng)
+    reader = rng.choice(["ner", "conll", "conll_tokens"])
+    if reader == "conll_tokens":
+        if broken in ("no_tag", "word_tag"):  # the tokens reader ignores the tags
+            reader = "conll"
+        expected = [{"tokens": ex["tokens"], "line": ex["line"]} for ex in expected]
     return Case(name, ".conll", w.data(), reader, {}, None if broken else expected, bad_line if broken else None)
+
+
+def entities_case(name, data, scheme, sentences, expected, broken, bad_line, rng) -> Case:
+    """A CoNLL file of ``scheme`` tags read as entities (:func:`read_entities`): the spans each sentence was
+    written from and the scheme it was written in; or, named as another scheme, refused at its first tag that
+    scheme does not have."""
+    all_tags = [tag for _, tags, _, _ in sentences for tag in tags]
+    records = [
+        {**ex, "spans": spans, "scheme": expected_scheme(scheme, all_tags)}
+        for ex, (_, _, _, spans) in zip(expected, sentences)
+    ]
+    if not broken and scheme in ("bioes", "bmes", "bilou") and rng.random() < 0.3:
+        # Named as a scheme of B- and I- alone: refused at its first tag of another prefix.
+        lines = [line for _, tags, lines, _ in sentences for tag, line in zip(tags, lines) if tag[0] not in "BIO"]
+        if lines:
+            return Case(name, ".conll", data, "entities", {"tag_scheme": "iob2"}, None, lines[0])
+    return Case(name, ".conll", data, "entities", {}, None if broken else records, bad_line if broken else None)
+
+
+def too_wide_case(rng: random.Random, name: str) -> Case:
+    """A file of one line of text (a paragraph named .conll): refused at that line as too wide to be CoNLL."""
+    w = FileWriter(rng)
+    line, _ = w.add(" ".join(token(rng, 0.0) for _ in range(rng.randint(17, 400))))
+    return Case(name, ".conll", w.data(), rng.choice(["conll", "conll_tokens", "ner"]), {}, None, line)
+
+
+def read_entities(path, tag_scheme: str = "auto") -> list[dict]:
+    """:func:`read_ner_file` with each sentence's entities (``spans``) and the file's scheme under ``tag_scheme``
+    (``scheme``): the NER recipe's reading of a file's tags."""
+    examples = read_ner_file(path)
+    scheme, _ = resolve_scheme(scan_examples(examples), tag_scheme, path)
+    return [{**ex, "spans": tags_to_spans(ex["ner_tags"]), "scheme": scheme} for ex in examples]
 
 
 # ---- JSON lines ---------------------------------------------------------------------------------------------------
@@ -410,23 +530,42 @@ def csv_case(rng: random.Random, name: str, sep: str, broken: str | None) -> Cas
 # ---- Plain text ---------------------------------------------------------------------------------------------------
 
 
+# The spaces that separate the words of plain text besides ASCII whitespace (category Zs, not a no-break space).
+TEXT_SPACES = "\u3000\u2009\u1680\u205f\u2002\u2003"
+
+
+def text_word(rng: random.Random) -> str:
+    """A plain-text word: a token without the spaces that separate words (no-break spaces and line separators stay),
+    or a CJK word, or a number grouped with a no-break space."""
+    pick = rng.random()
+    if pick < 0.15:
+        return "".join(rng.choice(CJK) for _ in range(rng.randint(1, 3)))
+    if pick < 0.25:
+        return f"{rng.randint(1, 999)}{rng.choice(chr(0xA0) + chr(0x202F))}{rng.randint(0, 999):03d}"
+    return "".join(c for c in token(rng) if c not in TEXT_SPACES) or "x"
+
+
 def text_case(rng: random.Random, name: str, broken: str | None) -> Case:
-    """Plain text, one sentence per line, words split at runs of ASCII whitespace."""
+    """Plain text, one sentence per line, words split at runs of ASCII whitespace and the Unicode spaces of
+    :data:`TEXT_SPACES` (CJK text's ideographic space U+3000 among them)."""
     w = FileWriter(rng)
     expected = []
     n = rng.randint(2, 6)
+    spaces = [" ", "  ", "\t", " \t"] + (
+        ["\u3000", "\u3000\u3000", rng.choice(TEXT_SPACES)] * 2 if "cjk" in name else []
+    )
     for i in range(n):
         if broken == "one_word_lines":
-            words = [token(rng)]
+            words = [text_word(rng)]
         elif broken == "tagged_lines":
-            words = [token(rng), rng.choice(TAGS)]
+            words = [text_word(rng), rng.choice(TAGS)]
         else:
-            words = [rng.choice([token(rng), number_token(rng)]) for _ in range(rng.randint(1, 7))]
+            words = [text_word(rng) for _ in range(rng.randint(1, 7))]
             if i == 0:  # two plain words (no byte-order mark to mistake): neither one word per line nor tagged
                 words = ["".join(rng.choice(LOWER) for _ in range(3)) for _ in range(2)]
-        text = "".join(word + rng.choice([" ", "  ", "\t", " \t"]) for word in words).rstrip(" \t")
+        text = "".join(word + rng.choice(spaces) for word in words).rstrip(" \t")
         if rng.random() < 0.2:
-            text = rng.choice([" ", "\t"]) + text
+            text = rng.choice([" ", "\t", "\u3000"]) + text
         line, _ = w.add(text)
         expected.append({"tokens": words, "line": line})
         if rng.random() < 0.2:
@@ -447,14 +586,20 @@ def generate_cases(seed: int, count: int, broken_share: float = 0.4) -> list[Cas
         broken = rng.random() < broken_share
         name = f"seed{seed}-{i}-{kind}"
         if kind == "conll":
-            layout = rng.choice(["1col", "2col", "4col", "tab"])
-            defects = ["space_in_token", "one_line_extra_column", "no_tag", "word_tag", "bad_byte"]
-            if layout == "tab":
+            layout = rng.choice(["1col", "2col", "4col", "tab", "tab4"])
+            defects = ["space_in_token", "one_line_extra_column", "no_tag", "word_tag", "bad_byte", "too_wide"]
+            if layout.startswith("tab"):
                 defects.remove("one_line_extra_column")  # tabs allow any count of columns between
             defect = rng.choice(defects) if broken else None
             if layout == "1col" and defect in ("no_tag", "word_tag"):
                 defect = "space_in_token"
-            cases.append(conll_case(rng, f"{name}-{layout}-{defect}", layout, defect))
+            scheme = rng.choice([None, *SCHEMES]) if layout != "1col" else None
+            cjk = "-cjk" if rng.random() < 0.2 else ""
+            case_name = f"{name}-{layout}-{scheme}{cjk}-{defect}"
+            if defect == "too_wide":
+                cases.append(too_wide_case(rng, case_name))
+            else:
+                cases.append(conll_case(rng, case_name, layout, defect, scheme))
         elif kind == "json":
             defect = rng.choice(JSON_DEFECTS) if broken else None
             cases.append(json_table_case(rng, f"{name}-{defect}", defect))
@@ -467,7 +612,8 @@ def generate_cases(seed: int, count: int, broken_share: float = 0.4) -> list[Cas
             cases.append(csv_case(rng, f"{name}-{defect}", "," if kind == "csv" else "\t", defect))
         else:
             defect = rng.choice(["one_word_lines", "tagged_lines"]) if broken else None
-            cases.append(text_case(rng, f"{name}-{defect}", defect))
+            cjk = "-cjk" if rng.random() < 0.4 else ""
+            cases.append(text_case(rng, f"{name}{cjk}-{defect}", defect))
     return cases
 
 

@@ -24,16 +24,16 @@ from transformers import (
     TrainingArguments,
 )
 
-from nlp_tricks import TricksArguments, TricksTrainer, _upstream
+from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.functional.crf import add_crf, load_crf_model
+from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.runtime.averaging import (
     AVERAGING_INFO_NAME,
     EMA,
     EMA_STATE_NAME,
     average_checkpoints,
     average_into,
-    ema_unsupported_reason,
 )
 from nlp_tricks.runtime.checkpoint import CheckpointMismatchError
 from nlp_tricks.runtime.state import TRICKS_STATE_NAME, load_trick_states
@@ -153,16 +153,23 @@ def test_ema_state_round_trip_and_strict_load(tmp_path):
         other.load(tmp_path / EMA_STATE_NAME)
 
 
-def test_fsdp_and_zero3_are_refused_with_the_setting_named():
-    assert "FSDP" in ema_unsupported_reason(SimpleNamespace(is_fsdp_enabled=True, is_deepspeed_enabled=False))
+def test_fsdp_and_zero3_are_refused_with_the_setting_named(tmp_path):
+    """The EMA's capability flags (fsdp, zero3) as the trainer reads them when it is built: FSDP and DeepSpeed ZeRO-3
+    refused, naming the setting; ZeRO-1/2 taken (parameters whole on every process)."""
+    trainer = TricksTrainer(model=bert_seq_cls(), args=tricks_args(tmp_path, ema_decay=0.9))
 
-    def deepspeed(stage):
+    def engine(fsdp=False, stage=None):
+        trainer.is_fsdp_enabled, trainer.is_deepspeed_enabled = fsdp, stage is not None
         plugin = SimpleNamespace(zero_stage=stage)
-        accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
-        return SimpleNamespace(is_fsdp_enabled=False, is_deepspeed_enabled=True, accelerator=accelerator)
+        trainer.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+        trainer._check_capabilities()
 
-    assert "ZeRO stage 3" in ema_unsupported_reason(deepspeed(3))
-    assert ema_unsupported_reason(deepspeed(2)) is None
+    with pytest.raises(ValueError, match=r"^ema_decay=0\.9 \(evaluated and saved\) is not supported with FSDP: it"):
+        engine(fsdp=True)
+    with pytest.raises(ValueError, match=r"is not supported with DeepSpeed ZeRO stage 3: it shards the parameters"):
+        engine(stage=3)
+    engine(stage=2)
+    engine()
 
 
 # ---- Arguments ------------------------------------------------------------------------------------------------------

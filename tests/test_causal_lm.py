@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from loss_cases import CHUNKED_LOSSES, EVERY_LOSS
 from packaging.version import Version
 from safetensors.torch import load_file
 from scripts.causal_lm_ddp import SETTINGS as DDP_SETTINGS
@@ -16,6 +17,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Trainer, TrainingArgum
 
 from classic_recipes import classic_fgm, classic_pgd
 from nlp_tricks import FGM, PGD, Trick, TricksTrainer
+from nlp_tricks.tricks.loss_type import LOSS_TABLE, LossFunction
 from recipe_helpers import launch_ddp_script
 from tiny import bart_lm, bert_token_cls, sgd_step_args, tricks_args
 from tiny_causal import CAUSAL_LMS, causal_lm_data, gpt2_lm, llama_lm
@@ -220,12 +222,8 @@ def test_label_smoothing_equals_upstreams_label_smoothing_factor(tmp_path):
         _assert_same_params(model, ref, loss_type)
 
 
-ACCUMULATION_LOSSES = {
-    "ce": {},
-    "focal": {"loss_type": "focal", "focal_gamma": 2.0},
-    "label_smoothing": {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
-    "dft": {"loss_type": "dft"},
-}
+# Every loss type of the table (tests/loss_cases.py).
+ACCUMULATION_LOSSES = EVERY_LOSS
 
 
 @pytest.mark.parametrize("loss", list(ACCUMULATION_LOSSES))
@@ -372,17 +370,27 @@ def _ce_sum(x, y, **kwargs):
     return F.cross_entropy(x.float().transpose(1, 2), y, reduction="sum", **kwargs)
 
 
-# Each loss as a sum over the shifted positions, written out with torch.
-CHUNKED_CASES = {
-    "label_smoothing": (
-        {"loss_type": "label_smoothing", "label_smoothing_factor": 0.1},
-        lambda x, y: _ce_sum(x, y, label_smoothing=0.1),
-    ),
-    "ce_smoothed": ({"label_smoothing_factor": 0.2}, lambda x, y: _ce_sum(x, y, label_smoothing=0.2)),
-    "focal": ({"loss_type": "focal", "focal_gamma": 2.0}, _focal_sum),
-    "temperature": ({"temperature": 2.0}, lambda x, y: _ce_sum(x / 2.0, y)),
-    "dft": ({"loss_type": "dft"}, _dft_reference),
+# Each loss as a sum over the shifted positions, written out with torch. A loss type of the table without a formula
+# here is compared with its own function on the full logits: the chunked path equals the full-logits path.
+FORMULAS = {
+    "ce": _ce_sum,
+    "label_smoothing": lambda x, y: _ce_sum(x, y, label_smoothing=0.1),
+    "focal": _focal_sum,
+    "dft": _dft_reference,
 }
+# Every loss type whose function takes the chunks (chunked_lm_loss: plain "ce" too), and two compositions.
+CHUNKED_CASES = {
+    **{name: (dict(EVERY_LOSS[name], chunked_lm_loss=True), FORMULAS.get(name)) for name in CHUNKED_LOSSES},
+    "ce_smoothed": ({"label_smoothing_factor": 0.2}, lambda x, y: _ce_sum(x, y, label_smoothing=0.2)),
+    "temperature": ({"temperature": 2.0}, lambda x, y: _ce_sum(x / 2.0, y)),
+}
+
+
+def _full_logits_loss(trainer):
+    """The run's loss type, its function on the full logits with the keywords the trainer gives it, as a sum."""
+    loss = trainer.get_trick(LossFunction)
+    function, keywords = LOSS_TABLE[loss.args.loss_type].function, loss.loss_keywords(trainer)
+    return lambda x, y: function(x, y, reduction="sum", **keywords)
 
 
 @pytest.mark.parametrize("case", list(CHUNKED_CASES))
@@ -395,13 +403,14 @@ def test_chunked_loss_and_gradients_equal_the_formula_on_the_full_logits(tmp_pat
     base = CAUSAL_LMS[arch]()
     batch = _batch(causal_lm_data())
     n = torch.tensor(int(_shifted(batch["labels"]).ne(-100).sum()) + 3)
+    model = copy.deepcopy(base).train()
+    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **settings))
+    assert trainer.lm_loss_path == "chunked"
+    reference = reference or _full_logits_loss(trainer)
     ref = copy.deepcopy(base)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     want = reference(ref(**inputs).logits[:, :-1], _shifted(batch["labels"])) / n
     want.backward()
-    model = copy.deepcopy(base).train()
-    trainer = TricksTrainer(model=model, args=tricks_args(tmp_path, **settings))
-    assert trainer.lm_loss_path == "chunked"
     with mock.patch("nlp_tricks.functional.chunked_loss.CHUNK_ELEMENTS", 4 * 99):
         loss = trainer.compute_loss(model, batch, num_items_in_batch=n)
     loss.backward()

@@ -10,8 +10,9 @@ import transformers
 from packaging.version import Version
 from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoModelForTokenClassification, default_data_collator
 
-from nlp_tricks import TricksTrainer, _upstream, load_state_dict_portable
+from nlp_tricks import TricksTrainer, load_state_dict_portable
 from nlp_tricks.functional.crf import CRF, _LogPartition, add_crf, bio_constraints, compact, load_crf_model
+from nlp_tricks.runtime import upstream as _upstream
 from tiny import bert_token_cls, token_cls_data, tricks_args
 
 BIO = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

@@ -161,7 +161,7 @@ def test_conll_tag_first_is_refused(tmp_path):
     path.write_text("John B-PER\nlives lives\n")
     assert error_of(read_conll, path) == (
         f"{path}:2: tag 'lives' is neither 'O' nor a prefixed tag like the file's 'B-PER'; the tag goes last and "
-        "every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'"
+        "every tag of an IOB-family file is 'O' or a prefix (B-, I-, M-, E-, S-, L-, U-) and a type"
     )
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text(json.dumps({"tokens": ["B-PER", "O"], "ner_tags": ["John", "runs"]}) + "\n")

@@ -8,9 +8,14 @@ tricks a host's loss cannot take are refused in one line. The hosts are an optio
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
+import inspect
 import math
+import pathlib
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -137,8 +142,14 @@ def test_sft_ema_is_the_saved_model(tmp_path):
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "final" / "model.safetensors")
+    raw = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    averaged = dict(trainer.averaged_model().named_parameters())
     for name, value in ema.state_dict()["shadow"].items():
         torch.testing.assert_close(saved[name].float(), value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(averaged[name].detach().float(), value, rtol=0, atol=0, msg=name)
+    # trainer.model keeps the raw weights (training goes on from them), untouched by averaged_model()
+    assert all(torch.equal(p, raw[name]) for name, p in trainer.model.named_parameters())
+    assert not all(torch.equal(averaged[name], raw[name]) for name in raw)
 
 
 @needs_trl
@@ -183,6 +194,8 @@ def test_a_loss_trick_on_a_host_is_refused_in_one_line():
     ) as info:
         _sft(with_tricks(SFTTrainer), tricks_config=TricksConfig(loss_type="focal"))
     assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"^chunked_lm_loss=True cannot apply to SFTTrainer: the host computes"):
+        _sft(with_tricks(SFTTrainer), tricks_config=TricksConfig(chunked_lm_loss=True))  # it did nothing, silently
     with pytest.raises(TypeError, match="tricks_config takes nlp_tricks.TricksConfig"):
         _sft(with_tricks(SFTTrainer), tricks_config={"adversarial": "fgm"})
 
@@ -280,6 +293,129 @@ def test_every_trick_of_the_docs_table_trains_on_the_trl_hosts(host, name):
         assert any(logged in e for e in trainer.state.log_history), logged
 
 
+# ---- trl: GRPO, RLOO (a training_step of their own) -------------------------------------------------------------
+
+
+def _rl(name: str, cls=None, **kwargs):
+    """A 2-step GRPO / RLOO run (2 completions of 4 tokens per prompt, a reward of the completion's length); the host
+    alone when ``cls`` is None."""
+    trl = _needs("trl")
+    from datasets import Dataset
+
+    host, config = {"grpo": (trl.GRPOTrainer, trl.GRPOConfig), "rloo": (trl.RLOOTrainer, trl.RLOOConfig)}[name]
+    settings = dict(num_generations=2, max_completion_length=4, beta=0.0)  # beta 0: no reference model to load
+    args = config(output_dir=tempfile.mkdtemp(), **COMMON, **settings)
+    torch.manual_seed(0)
+    trainer = (cls or host)(
+        model=llama_lm(vocab_size=VOCAB), args=args, train_dataset=Dataset.from_list([{"prompt": "the cat"}] * 8),
+        processing_class=causal_tokenizer(), reward_funcs=lambda completions, **_: [len(c) for c in completions],
+        **kwargs,
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+RL_METRICS = ("loss", "reward", "reward_std", "num_tokens", "entropy")
+
+
+@needs_trl
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_grpo_and_rloo_run_their_own_training_step_around_the_attack(name):
+    """Both count their micro-batches in their own ``training_step`` (``_step``) to pick the slice of the generation
+    batch: with no trick the run is the host's, and an attack's passes run inside that step, not instead of it."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    host_cls = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}[name]
+    host, ours = _rl(name), _rl(name, with_tricks(host_cls))
+    assert _logs(ours, RL_METRICS) == _logs(host, RL_METRICS) and _same_weights(ours.model, host.model)
+    attacked = _rl(name, with_tricks(host_cls), tricks_config=TricksConfig(adversarial="fgm"))
+    logs = _logs(attacked, (*RL_METRICS, "loss_adv", "step_time"))
+    assert all("loss_adv" in e and "step_time" in e for e in logs)  # step_time: the host's training_step ran
+    assert attacked._step == host._step == 2  # the host's count of micro-batches
+    assert {k: logs[0][k] for k in RL_METRICS} == _logs(host, RL_METRICS)[0]  # the clean pass's metrics
+
+
+def _names_set(source: str) -> set[str]:
+    """The names a class body defines and those its methods set on ``self`` (``self.x = ...``,
+    ``setattr(self, "x", ...)``)."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(source))):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                for target in getattr(item, "targets", [getattr(item, "target", None)]):
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) > 1:
+            owner, name = node.args[0], node.args[1]
+            if getattr(owner, "id", None) == "self" and isinstance(name, ast.Constant):
+                names.add(name.value)
+    return names - {"__doc__", "__module__", "__qualname__", "__init__"}
+
+
+def _host_classes() -> list[type]:
+    """Every Trainer subclass trl and sentence-transformers define, in their modules named *trainer*."""
+    import pkgutil
+
+    from transformers import Trainer
+
+    found = []
+    for package in ("trl", "sentence_transformers"):
+        if importlib.util.find_spec(package) is None:
+            continue
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, f"{package}."):
+            if not info.name.rsplit(".", 1)[-1].endswith("trainer"):
+                continue
+            try:
+                module = importlib.import_module(info.name)
+            except ImportError:  # an optional dependency of that trainer missing: not a host here
+                continue
+            found += [
+                obj
+                for obj in vars(module).values()
+                if isinstance(obj, type) and issubclass(obj, Trainer) and obj.__module__ == module.__name__
+            ]
+    return found
+
+
+def test_no_attribute_of_ours_shadows_a_hosts():
+    """What TricksTrainer, its mixins, the host glue and the tricks define or set on the trainer, against what each
+    host class (trl, sentence-transformers) defines or sets: names upstream's Trainer has are deliberate overrides;
+    any other name both set is one the host's code would read as its own (trl's ``_step`` was one)."""
+    from transformers import Trainer
+
+    import nlp_tricks
+
+    upstream = _names_set(inspect.getsource(Trainer))
+    ours = set()
+    for cls in with_tricks(Seq2SeqTrainer).__mro__[1:]:  # [0]: made by with_tricks, with no body
+        if cls.__module__.startswith("nlp_tricks"):
+            ours |= _names_set(inspect.getsource(cls))
+    for path in pathlib.Path(nlp_tricks.__file__).parent.rglob("*.py"):  # the tricks and helpers: trainer.x = ...
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if getattr(node.value, "id", None) == "trainer":
+                    ours.add(node.attr)
+    ours -= upstream
+    hosts = _host_classes()
+    if not hosts:
+        pytest.skip("neither trl nor sentence-transformers is installed (pip install -e '.[hosts]')")
+    clashes = {}
+    for host in hosts:
+        theirs = set()
+        for cls in host.__mro__:
+            if cls.__module__.split(".")[0] in ("trl", "sentence_transformers"):
+                theirs |= _names_set(inspect.getsource(cls))
+        if ours & theirs:
+            clashes[f"{host.__module__}.{host.__qualname__}"] = sorted(ours & theirs)
+    assert not clashes, clashes
+
+
 # ---- sentence-transformers, Seq2SeqTrainer, SetFit -------------------------------------------------------------
 
 
@@ -309,6 +445,54 @@ def test_sentence_transformer_trainer_takes_fgm_ema_and_layer_decay(tiny_model):
     assert all("loss_adv" in e for e in trick.state.log_history if "loss" in e)  # no adv_target needed
     scales = {g["lr_scale"] for g in trick.optimizer.param_groups}
     assert {0.5**3, 0.5**2, 0.5, 1.0} <= scales  # the host's groups split by layer (embeddings 0.5^(L+1))
+
+
+def test_a_cached_loss_refuses_the_embedding_attacks_and_trains_awp_and_sam_as_uncached(tiny_model):
+    """GradCache takes the loss from embeddings computed without gradients; the embedding attacks would see only the
+    forward inside backward (``loss_adv`` == ``loss``, a wrong gradient): refused. AWP and SAM perturb the weights,
+    which both forwards see: one SGD step with the cached loss equals it with the plain loss (dropout off, one
+    batch: the same numbers in another order)."""
+    st = _needs("sentence_transformers")
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
+
+    data = Dataset.from_list([{"anchor": "the cat sat", "positive": "a cat sat on a mat"}, {"anchor": "john works",
+                             "positive": "mary works at acme"}] * 4)  # fmt: skip
+
+    def run(cached: bool, **config):
+        torch.manual_seed(0)
+        model = st.SentenceTransformer(tiny_model, device="cpu")
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        loss = (
+            CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+            if cached
+            else MultipleNegativesRankingLoss(model)
+        )
+        args = st.SentenceTransformerTrainingArguments(
+            output_dir=tempfile.mkdtemp(), **{**COMMON, "max_steps": 1, "optim": "sgd", "learning_rate": 1.0}
+        )
+        trainer = with_tricks(st.SentenceTransformerTrainer)(
+            model=model, args=args, train_dataset=data, loss=loss, tricks_config=TricksConfig(**config)
+        )
+        trainer.train()
+        return trainer
+
+    for attack in ("fgm", "pgd", "freelb"):
+        with pytest.raises(ValueError) as info:
+            run(True, adversarial=attack)
+        loss, host = "CachedMultipleNegativesRankingLoss", "SentenceTransformerTrainer"
+        assert str(info.value).startswith(
+            f"adversarial={attack!r} cannot apply to {loss} on {host}: the loss caches gradients (GradCache)"
+        ) and "\n" not in str(info.value)
+    for config in ({"adversarial": "awp"}, {"sam_rho": 0.05}):
+        plain, cached = run(False, **config), run(True, **config)
+        for p, q in zip(plain.model.parameters(), cached.model.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6)  # float32 sums in another order (mini-batches)
 
 
 def test_seq2seq_trainer_with_no_trick_is_the_host(tmp_path):

@@ -21,7 +21,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from nlp_tricks import _upstream
+from nlp_tricks.runtime import upstream as _upstream
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
 
 import kfold
@@ -337,6 +337,77 @@ def test_kfold_ner_crf_rule_vote_and_ensemble_folder(tiny_model, tmp_path, monke
     assert json.loads((out / "all_results.json").read_text())["ensemble_rule"].startswith("entity vote")
 
 
+# A BIOES file (E- / S- tags, as Chinese and Japanese corpora ship them), hand-written.
+BIOES_TRAIN = "".join(
+    "\n".join(f"{w}\t{t}" for w, t in zip(words.split(), tags.split())) + "\n\n"
+    for words, tags in [
+        ("John works at Acme .", "S-PER O O S-ORG O"),
+        ("Mary ran in New York", "S-PER O O B-LOC E-LOC"),
+        ("the cat sat on Paris", "O O O O S-LOC"),
+        ("John Mary works at Google", "B-PER E-PER O O S-ORG"),
+        ("a dog ran in London", "O O O O S-LOC"),
+        ("Mary works at New York Acme", "S-PER O O B-ORG I-ORG E-ORG"),
+    ]
+)
+BIOES_TEST = "Mary\tS-PER\nworks\tO\nat\tO\nNew\tB-ORG\nYork\tI-ORG\nAcme\tE-ORG\n\nthe\tO\ndog\tO\n"
+
+
+def test_kfold_ner_on_a_bioes_file_writes_and_scores_its_scheme(tiny_model, tmp_path, monkeypatch):
+    from nlp_tricks.data.schemes import convert_tags
+    from nlp_tricks.metrics.spans import tag_f1
+
+    (tmp_path / "train.conll").write_text(BIOES_TRAIN)
+    (tmp_path / "test.conll").write_text(BIOES_TEST)
+    out = tmp_path / "kf"
+    data = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    argv = ["--recipe", "ner", "--folds", "2", "--output_dir", str(out), "--", *tiny_flags(tiny_model), *data]
+    assert kfold.main(argv, run=run_here) == 0
+    results = json.loads((out / "all_results.json").read_text())
+    check_oof_coverage(out, 2)
+    assert results["label_list"] == ["B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"]
+    train_tags = [
+        [t for _, t in (line.split("\t") for line in block.splitlines())]
+        for block in BIOES_TRAIN.split("\n\n")
+        if block
+    ]
+    test_tags = [["S-PER", "O", "O", "B-ORG", "I-ORG", "E-ORG"], ["O", "O"]]
+    files = {
+        "oof": (out / "oof_predictions.txt", train_tags),
+        "test": (out / "test_predictions.txt", test_tags),
+        **{f"fold{k}": (out / f"fold{k}" / "test_predictions.txt", test_tags) for k in range(2)},
+    }
+    for name, (path, gold) in files.items():
+        rows = ner_columns(path)
+        # Gold as the file has it, predictions written as BIOES (the folds read the runner's files as BIOES too).
+        assert [[g for _, g, _ in sentence] for sentence in rows] == gold, name
+        predicted = [[p for _, _, p in sentence] for sentence in rows]
+        assert all(convert_tags(tags, "bioes") == tags for tags in predicted), (name, predicted)
+        scores = tag_f1(predicted, gold)
+        key = {"oof": "oof_f1", "test": "test_f1"}.get(name)
+        if key:
+            assert results[key] == pytest.approx(scores["f1"], abs=1e-12)
+            assert results[key.replace("f1", "accuracy")] == pytest.approx(scores["accuracy"], abs=1e-12)
+    assert results["fold_test_accuracy"] == [
+        tag_f1(*_pred_gold(out / f"fold{k}" / "test_predictions.txt"))["accuracy"] for k in range(2)
+    ]
+
+    # The ensemble folder predicts a BIOES file as the runner did.
+    predicted = tmp_path / "predicted"
+    args = ["--model_name_or_path", str(out), "--do_train", "false", "--test_file", str(tmp_path / "test.conll"),
+            "--output_dir", str(predicted), "--per_device_eval_batch_size", "2"]  # fmt: skip
+    assert run_in_process("ner", args, monkeypatch) == 0
+    assert (predicted / "test_predictions.txt").read_text() == (out / "test_predictions.txt").read_text()
+    ensemble = json.loads((predicted / "all_results.json").read_text())
+    assert {k: ensemble[k] for k in ("test_f1", "test_accuracy")} == {
+        k: results[k] for k in ("test_f1", "test_accuracy")
+    }
+
+
+def _pred_gold(path: Path) -> tuple[list, list]:
+    rows = ner_columns(path)
+    return [[p for _, _, p in s] for s in rows], [[g for _, g, _ in s] for s in rows]
+
+
 def test_kfold_ner_without_crf_averages_word_probabilities(tiny_model, tmp_path):
     """--crf false: per word, the mean of the fold models' softmax probabilities of its first sub-token (computed
     here from each saved model), argmax; the numbers rescored with seqeval."""
@@ -506,7 +577,7 @@ def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
     again = subprocess.run([*command[:2], "--jobs", "2", *command[2:]], cwd=ROOT, env=env(), capture_output=True,
                            text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    started = [line for line in again.stdout.splitlines() if line.startswith("[ablation] ")]
+    started = [line for line in again.stdout.splitlines() if line.startswith("[kfold] ") and "--output_dir" in line]
     assert len(started) == 1 and str(out / "fold1") in started[0]
     assert (out / "fold0" / "ablation_log.txt").stat().st_mtime_ns == first_fold
     results = json.loads((out / "all_results.json").read_text())

@@ -13,8 +13,10 @@ from torch import nn
 
 from nlp_tricks import TricksTrainer
 from nlp_tricks.functional.lookahead import SlowWeights
-from nlp_tricks.tricks import BUILT_IN_TRICKS, Lookahead
-from nlp_tricks.tricks.ema import ExponentialMovingAverage
+from nlp_tricks.trick import capability_problem
+from nlp_tricks.tricks import BUILT_IN_TRICKS
+from nlp_tricks.tricks.ema import EMATrick
+from nlp_tricks.tricks.lookahead import LookaheadTrick
 from tiny import bert_seq_cls, ema_of, seq_cls_data, tricks_args
 
 K, ALPHA = 3, 0.5
@@ -128,7 +130,7 @@ def test_the_trainer_equals_a_plain_loop_with_lookahead_written_out(tmp_path, on
     trainer = TricksTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     _plain_loop(reference, data, steps, batch=4)
-    assert trainer.get_trick(Lookahead).slow.count == steps
+    assert trainer.get_trick(LookaheadTrick).slow.count == steps
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         # float32 round-off: the trainer's loss is a sum over the step's examples divided by their count (and, with
         # accumulation, two micro-batches' gradients summed), the loop's a mean of one batch.
@@ -147,7 +149,7 @@ def test_resume_from_the_middle_of_a_cycle_equals_the_uninterrupted_run_bitwise(
         )  # fmt: skip
         trainer = TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=24))
         trainer.train(resume_from_checkpoint=resume)
-        return model, trainer.get_trick(Lookahead).slow
+        return model, trainer.get_trick(LookaheadTrick).slow
 
     reference, ref_slow = run(tmp_path / "reference")
     run(tmp_path / "crashed")
@@ -163,9 +165,9 @@ def test_the_ema_averages_the_weights_after_the_sync(tmp_path, one_thread):
     """Lookahead (order 1050) runs before the EMA (1100): on a sync step the EMA's update sees the synced weights.
     The trainer's EMA equals the loop's EMA updated after the sync, and differs from one updated before it."""
     steps, data = 5, seq_cls_data(n=20)
-    pair = (Lookahead, ExponentialMovingAverage)
+    pair = (LookaheadTrick, EMATrick)
     orders = sorted((cls.order, cls.__name__) for cls in BUILT_IN_TRICKS if cls in pair)
-    assert [name for _, name in orders] == ["Lookahead", "ExponentialMovingAverage"]
+    assert [name for _, name in orders] == ["LookaheadTrick", "EMATrick"]
     model = bert_seq_cls()
     args = _sgd_args(tmp_path, max_steps=steps, lookahead_k=2, ema_decay=0.5, ema_warmup=False)
     trainer = TricksTrainer(model=model, args=args, train_dataset=data)
@@ -193,9 +195,13 @@ def test_bad_values_name_the_field(tmp_path, setting, message):
         tricks_args(tmp_path, **setting)
 
 
-def test_refused_under_deepspeed_and_fsdp_naming_why():
-    assert Lookahead.deepspeed is False and Lookahead.fsdp is False
-    assert "master weights" in Lookahead.unsupported_reason and "lookahead_k=0" in Lookahead.unsupported_reason
+def test_refused_under_deepspeed_and_fsdp_naming_why(tmp_path):
+    trick = LookaheadTrick(tricks_args(tmp_path, lookahead_k=5))
+    for engine, setting in (("DeepSpeed", dict(deepspeed=True)), ("FSDP", dict(fsdp=True))):
+        problem = capability_problem(trick, **setting)
+        assert problem.startswith(f"lookahead_k=5, lookahead_alpha=0.5 is not supported with {engine}: "), problem
+        assert "master weights" in problem and "lookahead_k=0" in problem and "\n" not in problem
+    assert capability_problem(trick) is None  # DDP / one process
 
 
 @pytest.mark.slow  # two processes of accelerate launch: ~40 s on 2 shared cores
@@ -228,21 +234,22 @@ def test_ddp_ranks_sync_alike_and_equal_one_process(tmp_path, tmp_path_factory, 
 
 
 def test_a_host_trainer_runs_lookahead(tmp_path):
-    """with_tricks(Trainer): the host keeps its optimizer and Lookahead syncs after its steps, as in TricksTrainer."""
-    from transformers import Trainer, TrainingArguments
+    """with_tricks(Seq2SeqTrainer), a plain host: it keeps its optimizer and Lookahead syncs after its steps, as in
+    TricksTrainer."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     from nlp_tricks import TricksConfig, with_tricks
 
-    args = TrainingArguments(
+    args = Seq2SeqTrainingArguments(
         str(tmp_path), max_steps=4, per_device_train_batch_size=4, optim="sgd", learning_rate=0.5, weight_decay=0.0,
         max_grad_norm=0.0, lr_scheduler_type="constant", report_to="none", use_cpu=True, save_strategy="no",
         train_sampling_strategy="sequential", disable_tqdm=True,
     )  # fmt: skip
     model, reference, data = bert_seq_cls(), bert_seq_cls(), seq_cls_data(n=16)
     config = TricksConfig(lookahead_k=2)
-    trainer = with_tricks(Trainer)(model=model, args=args, train_dataset=data, tricks_config=config)
+    trainer = with_tricks(Seq2SeqTrainer)(model=model, args=args, train_dataset=data, tricks_config=config)
     trainer.train()
-    assert trainer.get_trick(Lookahead).slow.count == 4
+    assert trainer.get_trick(LookaheadTrick).slow.count == 4
     _plain_loop(reference, data, 4, batch=4, k=2)
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)  # float32 round-off, as above

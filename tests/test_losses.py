@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from nlp_tricks import FocalLoss, LabelSmoothingCrossEntropy, focal_loss, label_smoothing_cross_entropy
-from nlp_tricks.functional.losses import cross_entropy, dft_loss, distillation_loss
+from nlp_tricks.functional.chunked_loss import LMHeadLogits
+from nlp_tricks.functional.losses import cross_entropy, dft_loss, distillation_loss, poly1_loss
 from tiny import bert_token_cls, one_sgd_step_trainer, token_cls_data
 
 
@@ -112,7 +113,7 @@ def test_custom_ignore_index():
     )
 
 
-@pytest.mark.parametrize("fn", [focal_loss, label_smoothing_cross_entropy, cross_entropy])
+@pytest.mark.parametrize("fn", [focal_loss, label_smoothing_cross_entropy, cross_entropy, dft_loss, poly1_loss])
 def test_num_items_in_batch_divides_the_sum(fn):
     logits, labels = _data((3, 5))
     ours = fn(logits, labels, num_items_in_batch=37)
@@ -244,13 +245,17 @@ def test_dft_equals_its_formula_in_value_and_gradient(shape):
 def test_dft_one_step_on_4_equals_2_x_2_accumulated(tmp_path):
     """Token classification (the configured loss_type): one SGD step on 4 sentences (different label counts) equals
     2 micro-batches of 2, as the loss is a sum over the step's item count."""
+    _assert_4x1_equals_2x2(tmp_path, loss_type="dft")
+
+
+def _assert_4x1_equals_2x2(tmp_path, **settings):
     base = bert_token_cls()
     runs = {}
     for bs, ga in ((4, 1), (2, 2)):
         model = copy.deepcopy(base)
         trainer = one_sgd_step_trainer(
-            tmp_path / f"{bs}x{ga}", model, token_cls_data(n=4), loss_type="dft",
-            per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+            tmp_path / f"{bs}x{ga}", model, token_cls_data(n=4), per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga, **settings,
         )  # fmt: skip
         trainer.train()
         runs[(bs, ga)] = model
@@ -260,3 +265,112 @@ def test_dft_one_step_on_4_equals_2_x_2_accumulated(tmp_path):
         torch.testing.assert_close(runs[(2, 2)].get_parameter(name), p, rtol=1e-5, atol=1e-7, msg=name)
         changed |= not torch.equal(p, base.get_parameter(name))
     assert changed
+
+
+# ---- Poly-1 ------------------------------------------------------------------------------------------------------
+
+
+def _poly1_reference(logits, labels, epsilon, smoothing=0.0, weight=None, reduction="mean"):
+    """Poly-1 written out with torch.log_softmax (Leng et al. 2022, Eq. 3 and the appendix's label smoothing): per
+    counted item CE(q) + epsilon * sum_c q_c (1 - p_c) with q = (1 - s) one_hot(y) + s / C, times w_y with class
+    weights; the mean divides by the counted items' weights."""
+    x, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    num_classes = x.shape[-1]
+    valid = y != -100
+    log_p = torch.log_softmax(x, dim=-1)
+    q = F.one_hot(y.clamp(min=0), num_classes).to(x.dtype) * (1 - smoothing) + smoothing / num_classes
+    w = torch.ones(num_classes, dtype=x.dtype) if weight is None else torch.as_tensor(weight, dtype=x.dtype)
+    # F.cross_entropy's weighting of a smoothed target: (1 - s) w_y (-log p_y) + s / C sum_c w_c (-log p_c).
+    ce = (1 - smoothing) * w[y.clamp(min=0)] * -log_p.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+    ce = ce + smoothing / num_classes * (w * -log_p).sum(-1)
+    poly = ce + epsilon * w[y.clamp(min=0)] * (q * (1 - log_p.exp())).sum(-1)
+    poly = torch.where(valid, poly, 0.0)
+    if reduction == "none":
+        return poly.reshape(labels.shape)
+    if reduction == "sum":
+        return poly.sum()
+    return poly.sum() / torch.where(valid, w[y.clamp(min=0)], 0.0).sum()
+
+
+@pytest.mark.parametrize("shape", [(10,), (3, 5)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("epsilon", [1.0, 2.0, -1.0])
+def test_poly1_equals_its_formula_in_value_and_gradient(shape, reduction, epsilon):
+    logits, labels = _data(shape)
+    ours = poly1_loss(logits, labels, epsilon=epsilon, reduction=reduction)
+    ref_logits = logits.detach().double().requires_grad_()
+    want = _poly1_reference(ref_logits, labels, epsilon, reduction=reduction)
+    # The reference in float64, ours in float32: float32 tolerance.
+    torch.testing.assert_close(ours, want.float())
+    (grad,) = torch.autograd.grad(ours.sum(), logits)
+    (want_grad,) = torch.autograd.grad(want.sum(), ref_logits)
+    torch.testing.assert_close(grad, want_grad.float())
+    if reduction == "none":
+        assert (ours[labels == -100] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_poly1_with_label_smoothing_and_class_weights_equals_its_formula(reduction):
+    logits, labels = _data((4, 6))
+    weight = [0.25, 1.0, 2.0, 0.5, 1.5, 1.0, 3.0]
+    ref_logits = logits.detach().double().requires_grad_()
+    for kwargs in ({"label_smoothing": 0.2}, {"weight": weight}, {"label_smoothing": 0.1, "weight": weight}):
+        ours = poly1_loss(logits, labels, epsilon=2.0, reduction=reduction, **kwargs)
+        want = _poly1_reference(
+            ref_logits, labels, 2.0, kwargs.get("label_smoothing", 0.0), kwargs.get("weight"), reduction
+        )
+        torch.testing.assert_close(ours, want.float(), msg=str(kwargs))
+        (grad,) = torch.autograd.grad(ours, logits)
+        (want_grad,) = torch.autograd.grad(want, ref_logits)
+        torch.testing.assert_close(grad, want_grad.float(), msg=str(kwargs))
+
+
+def test_poly1_at_epsilon_0_is_cross_entropy_exactly():
+    """epsilon=0 adds nothing: bitwise the cross-entropy of the same statistics (label_smoothing_cross_entropy, with
+    and without smoothing and class weights), values and gradients; and F.cross_entropy up to float round-off."""
+    logits, labels = _data((3, 5))
+    weight = torch.tensor([0.25, 1.0, 2.0, 0.5, 1.5, 1.0, 3.0])
+    for smoothing, w in ((0.0, None), (0.1, None), (0.0, weight), (0.2, weight)):
+        ours = poly1_loss(logits, labels, epsilon=0.0, label_smoothing=smoothing, weight=w)
+        ce = label_smoothing_cross_entropy(logits, labels, epsilon=smoothing, weight=w)
+        assert torch.equal(ours, ce), (smoothing, w)
+        assert torch.equal(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(ce, logits)[0])
+        torch.testing.assert_close(ours, _ce_reference(logits, labels, "mean", label_smoothing=smoothing, weight=w))
+
+
+def test_poly1_on_lm_head_logits_equals_the_full_logits():
+    """In chunks from a linear head's input (3 rows a chunk), as the causal-LM path takes it: the loss and the
+    gradients of the hidden states, the weight and the bias equal those on the materialised logits."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 8, generator=g).requires_grad_()
+    weight = torch.randn(11, 8, generator=g).requires_grad_()
+    bias = torch.randn(11, generator=g).requires_grad_()
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    labels[0, :2] = -100
+    kwargs = dict(epsilon=1.5, label_smoothing=0.1, weight=torch.rand(11, generator=g) + 0.5, num_items_in_batch=13)
+    ours = poly1_loss(LMHeadLogits(hidden, weight, bias, chunk_size=3), labels, **kwargs)
+    grads = torch.autograd.grad(ours, (hidden, weight, bias))
+    full = poly1_loss(F.linear(hidden, weight, bias), labels, **kwargs)
+    want_grads = torch.autograd.grad(full, (hidden, weight, bias))
+    # Float32 sums in another order (per chunk): round-off only.
+    torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_poly1_one_step_on_4_equals_2_x_2_accumulated(tmp_path):
+    """loss_type='poly1' with label smoothing and class weights on a token classifier: one SGD step on 4 sentences
+    equals 2 micro-batches of 2 (the sum over the step's weighted item count)."""
+    _assert_4x1_equals_2x2(
+        tmp_path, loss_type="poly1", poly1_epsilon=2.0, label_smoothing_factor=0.1, class_weights=[1, 2, 3, 1, 0.5]
+    )
+
+
+def test_poly1_bad_arguments():
+    logits, labels = _data((4,))
+    with pytest.raises(ValueError, match="epsilon must be >= -1"):
+        poly1_loss(logits, labels, epsilon=-1.5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        poly1_loss(logits, labels, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="weight"):
+        poly1_loss(logits, labels, weight=[1.0, 2.0])

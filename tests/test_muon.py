@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainerCallback
 
 from nlp_tricks import TricksConfig, TricksTrainer, with_tricks
 from nlp_tricks.functional.muon import MUON_SINCE, MuonWithAdamW
+from nlp_tricks.trick import capability_problem
+from nlp_tricks.tricks.muon import MuonTrick
 from tiny import bert_seq_cls, bert_token_cls, seq_cls_data, tricks_args
 from tiny_causal import gpt2_lm, llama_lm
 
@@ -177,11 +180,9 @@ def test_refusals_name_the_settings(tmp_path, monkeypatch):
     given = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="the trainer was given one"):
         TricksTrainer(model=model, args=tricks_args(tmp_path, muon=True), optimizers=(given, None))
-    host = with_tricks(Trainer)
+    host, host_args = with_tricks(Seq2SeqTrainer), Seq2SeqTrainingArguments(str(tmp_path), report_to="none")
     with pytest.raises(ValueError, match="keeps its host's optimizer"):
-        host(
-            model=model, args=TrainingArguments(str(tmp_path), report_to="none"), tricks_config=TricksConfig(muon=True)
-        )
+        host(model=model, args=host_args, tricks_config=TricksConfig(muon=True))
     # An optim that builds its own groups, as upstream's GaLore handler answers (galore_torch is not installed here).
     galore = staticmethod(lambda args, model=None: (torch.optim.AdamW, {"params": [], "lr": 1e-3}))
     monkeypatch.setattr(TricksTrainer, "get_optimizer_cls_and_kwargs", galore)
@@ -197,3 +198,12 @@ def test_refused_in_one_line_on_a_torch_without_muon(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=rf"torch {MUON_SINCE}"):
         MuonWithAdamW([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "optimizer": "muon"}])
     tricks_args(tmp_path)  # muon off: nothing refused
+
+
+def test_refused_under_deepspeed_and_fsdp_naming_why():
+    trick = MuonTrick(SimpleNamespace(muon=True, muon_lr=None))  # the flags alone: any torch
+    for engine, setting in (("DeepSpeed", dict(deepspeed=True)), ("FSDP", dict(fsdp=True))):
+        problem = capability_problem(trick, **setting)
+        assert problem.startswith(f"muon=True is not supported with {engine}: "), problem
+        assert "flat shards" in problem and "muon=False" in problem and "\n" not in problem
+    assert capability_problem(trick) is None  # DDP / one process

@@ -113,3 +113,45 @@ def test_two_recipe_runs_started_together_one_is_refused(tiny_model, tmp_path):
     assert f"is in use by another run (pid {winner.pid} " in refused and "Traceback" not in refused
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 40
+
+
+# ---- A launched job whose arguments are not distributed --------------------------------------------------------
+
+
+def test_a_process_group_of_several_with_arguments_of_one_is_refused_before_the_lock(tmp_path, monkeypatch):
+    """What `accelerate launch --multi_gpu --num_processes 2` on CPUs without use_cpu=True gives every process: a
+    process group of 2, arguments of world size 1 (each process would train alone on all the data, in one folder)."""
+    import torch.distributed as dist
+
+    from nlp_tricks.runtime.lock import NotDistributedError
+
+    trainer = TricksTrainer(model=bert_seq_cls(), args=tricks_args(tmp_path / "out", max_steps=1),
+                            train_dataset=seq_cls_data())  # fmt: skip
+    assert trainer.args.world_size == 1
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    with pytest.raises(NotDistributedError) as info:
+        trainer.train()
+    assert str(info.value) == (
+        "rank 1 of a launched job of 2 processes: the process group is initialized, but the TrainingArguments are not "
+        "distributed (parallel mode 'not_parallel', world size 1), so each process would train alone on all the data; "
+        "without GPUs pass use_cpu=True (recipes: --use_cpu true)"
+    )
+    assert trainer.state.global_step == 0 and not (tmp_path / "out" / LOCK_NAME).exists()
+
+
+@pytest.mark.slow  # a 2-process launch of a recipe: ~35 s on 2 shared cores
+def test_a_cpu_launch_of_two_processes_without_use_cpu_is_one_line_on_every_rank(tiny_model, tmp_path):
+    """Formerly rank 1 died with an OutputDirBusyError traceback (rank 0 held the folder as a run of its own) and
+    rank 0 was killed by the launcher."""
+    from recipe_helpers import launch
+
+    out = tmp_path / "out"
+    proc = launch("ner", tiny_args(tiny_model, out, *ner_files(tmp_path), "--use_cpu", "false"), launcher="ddp2")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "the TrainingArguments are not distributed" in line]
+    assert sorted(line.split(" of a launched job")[0] for line in lines) == ["rank 0", "rank 1"], proc.stderr[-3000:]
+    assert all(line.endswith("without GPUs pass use_cpu=True (recipes: --use_cpu true)") for line in lines)
+    assert "OutputDirBusyError" not in proc.stderr and "[rank" not in proc.stderr  # no rank's traceback
+    assert not (out / "all_results.json").exists() and not list(out.glob("checkpoint-*"))

@@ -224,7 +224,7 @@ def test_order_places_a_users_lookahead_before_or_after_the_ema(tmp_path):
         tricks = [Lookahead(order=order), probe]
         trainer = TricksTrainer(model=model, args=args, train_dataset=seq_cls_data(n=16), tricks=tricks)
         names = [type(t).__name__ for t in trainer.tricks][-3:]
-        expected = ["Lookahead", "Probe", "ExponentialMovingAverage"]
+        expected = ["Lookahead", "Probe", "EMATrick"]
         assert names == (expected if order < 1100 else expected[1:] + expected[:1])
         trainer.train()
         ema = initial.float()
@@ -465,3 +465,73 @@ def test_sams_second_pass_replays_the_clean_passs_neftune_noise(tmp_path):
         assert clean.abs().max() > 0
         torch.testing.assert_close(sam, clean, rtol=0, atol=1e-6)  # the lookup at perturbed weights, subtracted
     assert not torch.equal(noise.noise[(0, "clean")], noise.noise[(1, "clean")])
+
+
+# ---- State restored into what on_train_begin built; the raw loss beside the adjusted one ---------------------------
+
+
+class RunningMean(Trick):
+    """The running mean of the classifier's weight over the optimizer steps, started in ``on_train_begin`` from the
+    weights training starts from (as the EMA is): resuming restores the saved mean into that tensor."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.weight = model.get_parameter("classifier.weight")
+        self.mean, self.count = self.weight.detach().clone(), 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.count += 1
+        self.mean += (self.weight.detach() - self.mean) / (self.count + 1)
+
+    def state_dict(self):
+        return {"mean": self.mean, "count": self.count}
+
+    def load_state_dict(self, state):
+        self.mean.copy_(state["mean"])  # the tensor on_train_begin built: restored after it, not overwritten by it
+        self.count = state["count"]
+
+
+def test_a_resumed_state_fills_what_on_train_begin_built(tmp_path, one_thread):
+    def run(out, resume=None):
+        args = tricks_args(
+            out, max_steps=4, optim="sgd", learning_rate=0.5, save_strategy="steps", save_steps=2,
+            train_sampling_strategy="sequential",
+        )  # fmt: skip
+        trick = RunningMean()
+        TricksTrainer(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=16), tricks=[trick]).train(
+            resume_from_checkpoint=resume
+        )
+        return trick
+
+    reference = run(tmp_path / "reference")
+    resumed = run(tmp_path / "reference", resume=str(tmp_path / "reference" / "checkpoint-2"))
+    assert resumed.count == reference.count == 4
+    # Restored before on_train_begin, the mean would restart from the checkpoint's weights (count 2 kept).
+    torch.testing.assert_close(resumed.mean, reference.mean, rtol=0, atol=1e-7)  # the same float32 updates
+
+
+class PlusConstant(Trick):
+    """Adds 0.5 to the loss on the clean pass of every micro-batch: once per optimizer step, no gradient."""
+
+    def adjust_loss(self, trainer, inputs, outputs, loss):
+        return loss + 0.5 if trainer.loss_context.pass_kind == "clean" else loss
+
+
+@pytest.mark.parametrize("adversarial", ["none", "fgm"])
+def test_the_raw_loss_is_logged_beside_the_adjusted_one(tmp_path, adversarial):
+    """Token classification with 2 accumulated micro-batches of different token counts: ``loss_raw`` is the logged
+    ``loss`` of the same run without the trick (a constant changes no gradient), and ``loss`` is 0.5 above it."""
+    logs = {}
+    for name, tricks in (("plain", []), ("constant", [PlusConstant()])):
+        args = tricks_args(
+            tmp_path / name, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            adversarial=adversarial,
+        )  # fmt: skip
+        trainer = TricksTrainer(model=bert_token_cls(), args=args, train_dataset=token_cls_data(n=12), tricks=tricks)
+        trainer.train()
+        logs[name] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs["plain"]) == len(logs["constant"]) == 3
+    for plain, adjusted in zip(logs["plain"], logs["constant"]):
+        assert "loss_raw" not in plain
+        # Both are logged rounded to 4 decimals.
+        assert adjusted["loss_raw"] == pytest.approx(plain["loss"], abs=1.1e-4)
+        assert adjusted["loss"] - adjusted["loss_raw"] == pytest.approx(0.5, abs=1.1e-4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from data_generator import Case, check_case, generate_cases
 
-READERS = ("conll", "conll_tokens", "ner", "table", "text")
+READERS = ("conll", "conll_tokens", "ner", "table", "text", "entities")
 
 
 def problems_of(cases: list[Case], folder) -> list[str]:
@@ -20,6 +20,15 @@ def test_generated_files_read_as_written_or_are_refused_at_their_line(tmp_path):
     # The draw covers what it is for: every reader, valid and broken files of each.
     drawn = {(case.reader, case.expected is None) for case in cases}
     assert drawn >= {(reader, broken) for reader in READERS for broken in (False, True)}
+    # ... every tag scheme read as entities, a named scheme refused, comment lines above tab-separated sentences read
+    # as tokens, CJK text split at ideographic spaces, one-line files too wide to be CoNLL.
+    schemes = {case.expected[0]["scheme"] for case in cases if case.reader == "entities" and case.expected}
+    assert schemes == {"iob1", "iob2", "bioes", "bmes", "bilou"}
+    assert any(case.kwargs.get("tag_scheme") == "iob2" for case in cases)
+    tokens_of_tabbed = [c.data for c in cases if c.reader == "conll_tokens" and "tab4" in c.name and c.expected]
+    assert any(b"# sent_id = " in data or b"# text = " in data for data in tokens_of_tabbed)
+    assert any("\u3000".encode() in c.data for c in cases if c.reader == "text" and c.expected)
+    assert any("too_wide" in case.name for case in cases)
     problems = problems_of(cases, tmp_path)
     assert not problems, f"{len(problems)} of {len(cases)} files:\n" + "\n".join(problems[:20])
 

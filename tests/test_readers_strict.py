@@ -129,10 +129,13 @@ def test_a_one_line_conll_sentence_is_checked_against_the_files_columns(tmp_path
 
 # Characters Python's str.split() / str.splitlines() break on that are not ASCII whitespace.
 SEPARATORS = ["\u2028", "\u2029", "\x85", "\x1c", "\x1d", "\x1e", "\x1f", "\xa0", "\u3000", "\u2009", "\u202f"]
+# Of them, the spaces that separate the words of plain text (category Zs, not a no-break space); in CoNLL, CSV and
+# JSON they are characters of a token or a value.
+TEXT_WORD_SEPARATORS = {"\u3000", "\u2009"}
 
 
 @pytest.mark.parametrize("sep", SEPARATORS, ids=[f"U+{ord(c):04X}" for c in SEPARATORS])
-def test_unicode_separators_inside_a_token_never_split_it(tmp_path, sep):
+def test_unicode_separators_inside_a_token_split_only_plain_text_at_spaces(tmp_path, sep):
     token = f"10{sep}000"
     conll = write(tmp_path, "a.conll", f"x O\n{token} B-NUM\ny O\n")
     assert read_conll(conll)[0]["tokens"] == ["x", token, "y"]
@@ -141,11 +144,51 @@ def test_unicode_separators_inside_a_token_never_split_it(tmp_path, sep):
     one_column = write(tmp_path, "c.conll", f"{token}\nabc\n\nz\n")
     assert [ex["tokens"] for ex in read_conll_tokens(one_column)] == [[token, "abc"], ["z"]]
     plain = write(tmp_path, "d.txt", f"costs {token} euros\nand more\n")
-    assert [ex["tokens"] for ex in read_text_sentences(plain)] == [["costs", token, "euros"], ["and", "more"]]
+    words = ["10", "000"] if sep in TEXT_WORD_SEPARATORS else [token]
+    assert [ex["tokens"] for ex in read_text_sentences(plain)] == [["costs", *words, "euros"], ["and", "more"]]
     jsonl = write(tmp_path, "e.jsonl", json.dumps({"text": f"a{sep}b", "label": "x"}) + "\n")
     assert read_table_file(jsonl, ["text", "label"])[0]["text"] == f"a{sep}b"
     csv_path = write(tmp_path, "f.csv", f"text,label\na{sep}b,x\n")
     assert read_csv(csv_path, ["text", "label"])[0]["text"] == f"a{sep}b"
+
+
+@pytest.mark.parametrize("sep", ["\t", " "])
+def test_the_tokens_reader_skips_the_comments_read_conll_skips(tmp_path, sep):
+    # "# sent_id = s3" has as many words as the file has columns; a tagged read skipped it, the tokens reader read it
+    # as the token '#' (space-separated) or ended in min() of an empty sequence (tab-separated).
+    lines = ["# sent_id = s3", "John x NNP B-PER", "runs x VBZ O", "", "# sent_id = s4", "Mary x NNP B-PER", ""]
+    path = write(tmp_path, "a.conll", "\n".join(line.replace(" ", sep) if line[:1] != "#" else line for line in lines))
+    want = [(["John", "runs"], 2), (["Mary"], 6)]
+    assert [(ex["tokens"], ex["line"]) for ex in read_conll_tokens(path)] == want
+    assert [(ex["tokens"], ex["line"]) for ex in read_conll(path)] == want
+    # The token '#' with a tag of the file stays a token in both.
+    hashed = write(tmp_path, "b.conll", "a\tx\tNN\tO\n\n# x NN O\n")
+    assert (
+        [ex["tokens"] for ex in read_conll_tokens(hashed)]
+        == [["a"], ["#"]]
+        == [ex["tokens"] for ex in read_conll(hashed)]
+    )
+
+
+def test_a_one_line_file_too_wide_for_conll_names_its_line(tmp_path):
+    path = write(tmp_path, "train.conll", "\ufeff" + " ".join(f"w{i}" for i in range(200_000)) + " O\n")
+    want = (
+        f"{path}:1: the file's one line has 200001 columns: too wide to be CoNLL (one token per line, token first, "
+        "tag last, a blank line between sentences); text of one sentence per line is a .txt file"
+    )
+    for reader in (read_conll, read_conll_tokens, read_ner_file):
+        assert str(error_of(reader, path)) == want
+    # A sentence of one line of a CoNLL-U width (10 columns) reads.
+    ok = write(tmp_path, "one.conll", "\t".join(["1", "Rome", "rome", "PROPN", "NNP", "_", "0", "root", "_", "B-LOC"]))
+    assert read_conll(ok)[0]["tokens"] == ["1"]
+
+
+def test_a_tag_behind_an_ideographic_space_is_named(tmp_path):
+    path = write(tmp_path, "cjk.conll", "中\tB-ORG\n国\u3000I-ORG\n")
+    assert str(error_of(read_conll, path)) == (
+        f"{path}:2: token '国\\u3000I-ORG' has no tag; expected 'token tag' (token first, tag last); the token holds "
+        "U+3000 (IDEOGRAPHIC SPACE), which is part of a CoNLL token: separate the columns with a tab or a space"
+    )
 
 
 def test_a_conll_id_of_5000_digits_is_an_id_out_of_range(tmp_path):

@@ -129,3 +129,102 @@ def test_a_model_trained_with_a_crf_predicts_with_it_without_the_flag(tiny_model
     assert last_line(capsys) == (
         f"--model_name_or_path {trained} was trained with a CRF and predicts with it (Viterbi); drop --crf false"
     )
+
+
+# ---- A model whose weights do not load: one line, exit 1 (formerly a traceback) -----------------------------------
+
+
+class _Payload:
+    """Pickled as a call of ``os.system``: unpickling it would run the command."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+def _damaged_model(tiny_model: str, tmp_path, damage: str) -> tuple[str, str]:
+    """A copy of the tiny BERT folder, damaged: its weights a pickle that runs code when unpickled, its safetensors
+    file cut in half, or a config that needs the folder's own code; the model flag and the expected problem."""
+    import shutil
+
+    import torch
+
+    folder = tmp_path / damage
+    shutil.copytree(tiny_model, folder)
+    weights = folder / "model.safetensors"
+    if damage == "pickle":
+        weights.unlink()
+        torch.save({"weight": _Payload(f"touch {tmp_path / 'code_ran'}")}, folder / "pytorch_model.bin")
+        return str(folder), (
+            "refused to load pytorch_model.bin: it needs arbitrary unpickling, which can run any code the file "
+            "carries (only tensors are loaded: torch.load(weights_only=True)); if you trust it, convert it to "
+            "safetensors"
+        )
+    if damage == "truncated":
+        size = weights.stat().st_size
+        with open(weights, "r+b") as f:
+            f.truncate(size // 2)
+        return str(folder), f"cannot load its weights: model.safetensors is truncated ({size // 2} bytes, its header"
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="custom-bert", auto_map={"AutoConfig": "custom.CustomConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(f"open({str(tmp_path / 'code_ran')!r}, 'w').close()\n")
+    return str(folder), (
+        "the model needs its own code (Python files beside its config), which runs only with --trust_remote_code "
+        "true; pass it if you trust that code"
+    )
+
+
+def _data_flags(recipe: str, tmp_path) -> list[str]:
+    from recipe_helpers import CLS_ROWS, ner_files
+
+    if recipe in ("ner", "self_training"):
+        unlabeled = ["--unlabeled_fraction", "0.5"] if recipe == "self_training" else []
+        return ner_files(tmp_path, predict=False) + unlabeled
+    if recipe == "classification":
+        write_csv(tmp_path / "train.csv", CLS_ROWS)
+        return ["--train_file", str(tmp_path / "train.csv")]
+    if recipe == "summarization":
+        (tmp_path / "train.tsv").write_text("text\tsummary\n" + "\n".join(f"{t}\t{t}" for t, _ in CLS_ROWS))
+        return ["--train_file", str(tmp_path / "train.tsv")]
+    (tmp_path / "train.txt").write_text("\n".join(t for t, _ in CLS_ROWS))
+    return ["--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "train.txt")]
+
+
+def _assert_one_load_line(stderr: str, model: str, problem: str, tmp_path) -> None:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith(f"--model_name_or_path {model}: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"--model_name_or_path {model}: {problem}"), stderr[-3000:]
+    assert not (tmp_path / "code_ran").exists()  # neither the pickle's payload nor the folder's code ran
+    assert not (tmp_path / "out" / "all_results.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["pickle", "truncated", "remote_code"])
+def test_a_model_whose_weights_do_not_load_is_one_line_and_exit_1(damage, tiny_model, tmp_path):
+    """A recipe process (classification), formerly ending in a traceback."""
+    from recipe_helpers import launch_script
+
+    model, problem = _damaged_model(tiny_model, tmp_path, damage)
+    args = tiny_args(model, tmp_path / "out", *_data_flags("classification", tmp_path))
+    proc = launch_script(ROOT / "recipes" / "classification.py", args, launcher="python")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    _assert_one_load_line(proc.stderr, model, problem, tmp_path)
+
+
+# The other recipes, with the damage their own loading path meets first (summarization: BERT2BERT's
+# encoder-decoder loader; pretraining: the masked LM's; self-training: its rounds' classifier), in this process.
+@pytest.mark.parametrize(
+    "recipe, damage",
+    [("ner", "truncated"), ("summarization", "pickle"), ("summarization", "truncated"), ("pretraining", "pickle"),
+     ("self_training", "pickle"), ("self_training", "remote_code")],
+)  # fmt: skip
+def test_every_recipe_refuses_weights_that_do_not_load_in_one_line(recipe, damage, tiny_model, tmp_path, monkeypatch,
+                                                                    capsys):  # fmt: skip
+    model, problem = _damaged_model(tiny_model, tmp_path, damage)
+    args = tiny_args(model, tmp_path / "out", *_data_flags(recipe, tmp_path))
+    assert run_in_process(recipe, args, monkeypatch) == 1
+    _assert_one_load_line(capsys.readouterr().err, model, problem, tmp_path)

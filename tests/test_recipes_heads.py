@@ -121,13 +121,25 @@ def test_class_weights_of_the_wrong_length_are_one_line(tiny_model, tmp_path, mo
     assert line.startswith("--class_weights: 2 weights for 4 classes") and "0=B-LOC, 1=B-ORG, 2=B-PER, 3=O" in line
 
 
-def test_iob1_training_tags_with_bio_constraints_are_one_line(tiny_model, tmp_path, monkeypatch, capsys):
-    (tmp_path / "train.conll").write_text("John I-PER\nworks O\n\nMary B-PER\nran O\n")
-    (tmp_path / "test.conll").write_text("Mary\tB-PER\nran\tO\n")
-    files = ["--train_file", str(tmp_path / "train.conll"), "--validation_file", str(tmp_path / "test.conll")]
-    args = tiny_args(tiny_model, tmp_path / "out", *files, "--crf", "true", "--crf_bio_constraints", "true")
-    assert run_in_process("ner", args, monkeypatch) == 1
-    assert last_line(capsys).startswith(f"{tmp_path / 'train.conll'}:1: --crf_bio_constraints: 'I-PER' first")
+def test_iob1_tags_train_with_bio_constraints_and_are_written_back_as_iob1(tiny_model, tmp_path, monkeypatch):
+    # CoNLL-2003's original IOB1: I- opens an entity, B- only right after one of its type. The model trains on the
+    # IOB2 tags of the same entities, so the BIO constraints fit; the predictions are written back as IOB1.
+    iob1 = "John I-PER\nSmith I-PER\nMary B-PER\nran O\n\nin O\nRome I-LOC\n"
+    (tmp_path / "train.conll").write_text(iob1)
+    (tmp_path / "test.conll").write_text(iob1)
+    files = ["--train_file", str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]
+    out = tmp_path / "out"
+    args = tiny_args(tiny_model, out, *files, "--crf", "true", "--crf_bio_constraints", "true")
+    assert run_in_process("ner", args, monkeypatch) == 0
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["label_list"] == ["B-LOC", "B-PER", "I-PER", "O"]
+    rows = [line.split("\t") for line in (out / "test_predictions.txt").read_text().splitlines() if line]
+    assert [gold for _, gold, _ in rows] == ["I-PER", "I-PER", "B-PER", "O", "O", "I-LOC"]
+    predicted = [pred for _, _, pred in rows]
+    # IOB1: a B- tag only right after an entity of its type.
+    for i, tag in enumerate(predicted):
+        if tag.startswith("B-"):
+            assert i not in (0, 4) and predicted[i - 1][2:] == tag[2:], predicted
 
 
 # ---- Self-training ------------------------------------------------------------------------------------------------

@@ -90,6 +90,16 @@ def reference_word_tags(out: Path, sentences: list[list[str]], max_length: int) 
     return tags
 
 
+def well_formed_iob2(tags: list[str]) -> list[str]:
+    """The entities seqeval reads in ``tags`` written as IOB2: B- on each entity's first word, I- on the rest."""
+    from seqeval.metrics.sequence_labeling import get_entities
+
+    out = ["O"] * len(tags)
+    for kind, first, last in get_entities(tags):
+        out[first : last + 1] = [f"B-{kind}"] + [f"I-{kind}"] * (last - first)
+    return out
+
+
 def test_ner_metrics_are_those_of_the_predictions_file(bert_normalizer_model, tmp_path, monkeypatch, caplog):
     from seqeval.metrics import accuracy_score, f1_score, precision_score, recall_score
 
@@ -110,9 +120,10 @@ def test_ner_metrics_are_those_of_the_predictions_file(bert_normalizer_model, tm
     predicted = [[r[2] for r in sentence] for sentence in rows]
 
     # Each word carries the model's prediction for that word: no shift after the words without sub-tokens, and the
-    # 7 words beyond 16 sub-tokens ([CLS] + 14 words + [SEP]) are 'O'.
+    # 7 words beyond 16 sub-tokens ([CLS] + 14 words + [SEP]) are 'O'. The file writes the entities of the argmax
+    # tags (seqeval's reading: an I- after O opens one) as well-formed IOB2, the file's scheme.
     reference = reference_word_tags(out, [[w for w, _ in s] for s in gold], max_length=16)
-    assert predicted == reference
+    assert predicted == [well_formed_iob2(tags) for tags in reference]
     shifted = [t for w, t in zip(gold[1], reference[1]) if w[0] not in (ZERO_WIDTH, VARIATION_SELECTOR)]
     shifted += ["O"] * (len(gold[1]) - len(shifted))  # what a by-position file would hold
     assert shifted != reference[1], "the model predicts the same tag everywhere: the test could not see a shift"

@@ -44,20 +44,27 @@ def test_ner_labels_on_first_sub_token(word_tokenizer):
     assert truncated["labels"] == [[-100, 1, 3, 3, 0, -100]]
 
 
-def test_ner_label_all_tokens_keeps_the_tag_scheme(word_tokenizer):
+def test_ner_trains_on_iob2_tags_whatever_the_scheme(word_tokenizer):
     import ner
 
-    tags = ["B-LOC", "E-LOC", "I-LOC", "O", "S-LOC", "S-PER"]
-    label2id = {tag: i for i, tag in enumerate(tags)}
+    label2id = {"B-LOC": 0, "B-PER": 1, "I-LOC": 2, "O": 3}
     # Sub-tokens: [CLS] john lives in new - york . [SEP]; "New-York" is one BIOES S- word in 3 sub-tokens.
     examples = [{"tokens": ["John", "lives", "in", "New-York", "."], "ner_tags": ["S-PER", "O", "O", "S-LOC", "O"]}]
+    first_only = ner.tokenize_ner(examples, word_tokenizer, label2id, 64, label_all_tokens=False)
+    assert first_only["labels"] == [[-100, 1, 3, 3, 0, -100, -100, 3, -100]]  # S-PER, S-LOC: the IOB2 B- tags
     every = ner.tokenize_ner(examples, word_tokenizer, label2id, 64, label_all_tokens=True)
-    # The entity keeps its boundaries: B-LOC I-LOC E-LOC, not S-LOC three times (three one-word entities).
-    assert every["labels"] == [[-100, 5, 3, 3, 0, 2, 1, 3, -100]]
-    # A continuation tag the training data never uses as a word's tag is left out rather than replaced.
+    # The entity keeps its boundaries: B-LOC I-LOC I-LOC, one entity over the word's sub-tokens.
+    assert every["labels"] == [[-100, 1, 3, 3, 0, 2, 2, 3, -100]]
+    # The same sentence in BMES and BILOU trains on the same labels; a continuation tag the training data never
+    # uses is left out rather than replaced.
+    for tags in (["S-PER", "O", "O", "S-LOC", "O"], ["U-PER", "O", "O", "U-LOC", "O"]):
+        assert (
+            ner.tokenize_ner([{**examples[0], "ner_tags": tags}], word_tokenizer, label2id, 64, True)["labels"]
+            == (every["labels"])
+        )
     del label2id["I-LOC"]
     assert ner.tokenize_ner(examples, word_tokenizer, label2id, 64, True)["labels"] == [
-        [-100, 5, 3, 3, 0, -100, 1, 3, -100]
+        [-100, 1, 3, 3, 0, -100, -100, 3, -100]
     ]
 
 

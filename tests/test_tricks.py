@@ -207,11 +207,48 @@ def test_a_checkpoint_written_before_tricks_became_objects_resumes_to_the_same_w
         torch.testing.assert_close(p, ema[str(i)])
 
 
+class FirstStepProbe(Trick):
+    """Copies the EMA and the trick counters as the first step begins (after the restore at on_train_begin)."""
+
+    def setup(self, trainer):
+        self.trainer, self.seen = trainer, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.seen is None:
+            ema = ema_of(self.trainer)
+            self.seen = (ema.num_updates, [t.clone() for t in ema.shadow], dict(self.trainer.trick_state))
+
+
+def test_a_checkpoint_written_before_the_state_store_restores_the_ema_and_the_counters(tmp_path):
+    """The same fixture, resumed on any transformers version: as the first step begins, the EMA is the one of its old
+    file (ema_state.safetensors), restored into the average built at on_train_begin, and the attack's counter is
+    trainer_state.json's."""
+    from safetensors import safe_open
+
+    shutil.copytree(V0 / "checkpoint-2", tmp_path / "checkpoint-2")
+    settings = dict(
+        max_steps=3, save_strategy="no", optim="sgd", learning_rate=0.1, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, ema_decay=0.9, adversarial="fgm", rdrop_alpha=0.5,
+    )  # fmt: skip
+    model, probe = bert_token_cls(hidden_dropout_prob=0.1), FirstStepProbe()
+    args = tricks_args(tmp_path, **settings)
+    trainer = TricksTrainer(model=model, args=args, train_dataset=token_cls_data(n=16), tricks=[probe])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    with safe_open(V0 / "checkpoint-2" / "ema_state.safetensors", framework="pt") as f:
+        saved, updates = {name: f.get_tensor(name) for name in f.keys()}, int(f.metadata()["num_updates"])
+    num_updates, shadow, counters = probe.seen
+    names = ema_of(trainer).names
+    assert num_updates == updates == 2 and sorted(names) == sorted(saved)
+    for name, tensor in zip(names, shadow):
+        assert torch.equal(tensor, saved[name]), name
+    assert counters["adv_skipped"] == 0 and "adv_skipped" not in trainer._own_state
+
+
 def test_built_in_tricks_follow_the_arguments(tmp_path):
     args = tricks_args(tmp_path, crf=True, ema_decay=0.9, adversarial="pgd")
     names = [type(t).__name__ for t in built_in_tricks(args)]
-    assert names == ["CRFHead", "Distillation", "LossFunction", "Adversarial", "ExponentialMovingAverage"]
-    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["Distillation", "LossFunction"]
+    assert names == ["CRFTrick", "DistillationTrick", "LossTypeTrick", "AdversarialTrick", "EMATrick"]
+    assert [type(t).__name__ for t in built_in_tricks(tricks_args(tmp_path))] == ["DistillationTrick", "LossTypeTrick"]
     # User tricks come before the configured loss (by default), so a user's compute_loss answers first.
     user = LogitPenalty()
     assert built_in_tricks(args, user_tricks=[user])[2] is user
@@ -319,7 +356,7 @@ def test_a_hyperparameter_search_trial_applies_every_trick_field(tmp_path, monke
     assert trainer.args.warmup_steps == 0.5  # warmup_ratio mapped as the constructor maps it
     assert trainer.lr_scheduler.get_last_lr()[0] < trainer.args.learning_rate
     names = [type(t).__name__ for t in trainer.tricks]
-    assert names == ["RDrop", "Distillation", "LossFunction", "ExponentialMovingAverage"]
+    assert names == ["RDropTrick", "DistillationTrick", "LossTypeTrick", "EMATrick"]
     torch.testing.assert_close(trainer.tricks[2].class_weights, torch.tensor([1.0, 2.0, 3.0]))
     assert any("loss_kl" in log for log in trainer.state.log_history)
 

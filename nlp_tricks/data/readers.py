@@ -13,6 +13,7 @@ import math
 import random
 import re
 import sys
+import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -118,13 +119,14 @@ def _iter_binary_lines(path: str | Path, keep_ends: bool) -> Iterator[tuple[int,
                 yield number, text + part_end.decode("ascii") if keep_ends else text
 
 
-# A tag of the IOB family (IOB1/IOB2, IOE, BIOES, BILOU): "O" or a one-letter prefix, a hyphen and a type.
-_TAG = re.compile(r"O|[BIESLU]-\S+")
-_PREFIXED_TAG = re.compile(r"[BIESLU]-\S+")
+# A tag of the IOB family (IOB1/IOB2, IOE, BIOES, BMES, BILOU): "O" or a one-letter prefix, a hyphen and a type.
+_TAG = re.compile(r"O|[BIMESLU]-\S+")
+_PREFIXED_TAG = re.compile(r"[BIMESLU]-\S+")
 
 
 def looks_like_tag(value: str) -> bool:
-    """Whether ``value`` reads as an IOB-family tag: ``O`` or ``B-``/``I-``/``E-``/``S-``/``L-``/``U-`` and a type."""
+    """Whether ``value`` reads as an IOB-family tag: ``O`` or ``B-``/``I-``/``M-``/``E-``/``S-``/``L-``/``U-`` and a
+    type."""
     return _TAG.fullmatch(value) is not None
 
 
@@ -170,7 +172,8 @@ def read_conll(path: str | Path) -> list[dict]:
     B-LOC``: whitespace-separated readers would keep ``New``), a space-separated line with more or fewer columns than
     its sentence's first (``New York B-LOC`` among ``token tag`` lines) or, in a sentence of one such line, more than
     the file's other sentences (``New York B-LOC`` alone in a ``token tag`` file), a comment line inside a sentence,
-    a tag-first file and a tag column mixing IOB tags with other words (see :func:`check_tag_columns`).
+    a tag-first file, a tag column mixing IOB tags with other words (see :func:`check_tag_columns`) and a file of one
+    line of more than 16 columns (text of one sentence per line, too wide to be CoNLL).
     """
     return _read_conll(path, tagged=True)
 
@@ -179,8 +182,9 @@ def read_conll_tokens(path: str | Path) -> list[dict]:
     """Read unlabelled CoNLL-style text: one word per line in the first column (other columns, e.g. a gold tag,
     are ignored), a blank line between sentences, as ``{"tokens", "line"}``.
 
-    The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped, a column holding a space or a
-    space-separated line with another column count than its sentence's (or the file's other sentences') refused.
+    The rules of :func:`read_conll` apply: ``-DOCSTART-`` and comment lines skipped (the same lines, whether or not
+    the file has a tag column), a column holding a space or a space-separated line with another column count than its
+    sentence's (or the file's other sentences') refused, and nothing but :class:`DataError` raised.
     """
     return [{"tokens": ex["tokens"], "line": ex["line"]} for ex in _read_conll(path, tagged=False)]
 
@@ -195,79 +199,19 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
     The file is read twice as a stream (its shape first, then its sentences), so memory does not grow with it; an
     error found only at the end (a tag-first file) is raised after the last sentence.
     """
-    # The file's shape from its plain token lines: their column counts, the tags they use, and the column counts of
-    # its sentences of several space-separated lines (each line of which has the same count, or is refused below),
-    # against which a sentence of one such line is checked: alone it cannot show that a token holds a space.
-    widths, tags_used = set(), set()
-    sentence_widths, single_widths = {}, {}  # count -> first line; count -> (sentences, first line)
-    space_lines = []  # (line, count) of the current sentence's space-separated lines
-
-    def end_sentence():
-        if len(space_lines) == 1:
-            line, width = space_lines[0]
-            count, first = single_widths.get(width, (0, line))
-            single_widths[width] = (count + 1, first)
-        elif space_lines:
-            sentence_widths.setdefault(space_lines[0][1], space_lines[0][0])
-        space_lines.clear()
-
-    for entry in _conll_entries(path):
-        if entry is None:
-            end_sentence()
-        elif not _is_comment_candidate(entry[1]):
-            columns = _columns(entry[1])
-            widths.add(len(columns))
-            if "\t" not in entry[1]:
-                space_lines.append((entry[0], len(columns)))
-            if len(columns) >= 2:
-                tags_used.add(columns[-1])
-    end_sentence()
-    if not sentence_widths and single_widths:  # every sentence is one line: the count most of them have
-        width = max(single_widths, key=lambda w: (single_widths[w][0], -single_widths[w][1]))
-        sentence_widths = {width: single_widths[width][1]}
-
-    def reads_as_token_line(columns: list[str], tabbed: bool) -> bool:
-        if (not tabbed and len(columns) not in widths) or any(_has_space(column) for column in columns):
-            return False
-        if not tagged:
-            return True
-        return len(columns) >= 2 and (columns[-1] in tags_used or looks_like_tag(columns[-1]))
-
-    tokens, tags, tag_lines = [], [], []
-    sentence_width, width_line, space_count = None, None, 0  # of the sentence's space-separated lines
+    shape = _ConllShape(path)
+    sentence = _ConllSentence(path, shape, tagged)
     found = False
-    tag_check = _TagColumnCheck(path)
-
-    def sentence():
-        nonlocal sentence_width, space_count
-        # More columns than a count the file's sentences have may be a token split at its space; fewer cannot be.
-        if space_count == 1 and sentence_width not in sentence_widths and sentence_width > min(sentence_widths):
-            counts = " or ".join(str(width) for width in sorted(sentence_widths))
-            first = min(sentence_widths.values())
-            raise DataError(
-                path,
-                width_line,
-                f"{sentence_width} columns in a sentence of one line, where the file's sentences have {counts} (line "
-                f"{first}); a token cannot hold a space",
-            )
-        sentence_width, space_count = None, 0
-        example = {"tokens": list(tokens), "ner_tags": list(tags), "line": tag_lines[0], "tag_lines": list(tag_lines)}
-        tokens.clear(), tags.clear(), tag_lines.clear()
-        if tagged:
-            tag_check.add(example)
-            return example
-        return {"tokens": example["tokens"], "line": example["line"]}
-
     for entry in _conll_entries(path):
         if entry is None:
-            if tokens:
+            if sentence.tokens:
                 found = True
-                yield sentence()
+                yield sentence.finish()
             continue
         number, text = entry
         columns, tabbed = _columns(text), "\t" in text
-        if _is_comment_candidate(text) and not reads_as_token_line(columns, tabbed):
-            if tokens:
+        if _is_comment_candidate(text) and not shape.reads_as_token_line(columns, tabbed):
+            if sentence.tokens:
                 raise DataError(
                     path,
                     number,
@@ -275,42 +219,155 @@ def iter_conll(path: str | Path, tagged: bool = True) -> Iterator[dict]:
                     "token (after a blank line)",
                 )
             continue
+        sentence.add(number, columns, tabbed)
+    if sentence.tokens:
+        found = True
+        yield sentence.finish()
+    if not found:
+        raise DataError(path, None, "empty file: no sentences")
+    if tagged:
+        sentence.tag_check.finish()
+
+
+# A file of one line with more columns than this is not CoNLL (CoNLL-U has 10): it is text, one sentence per line.
+_MAX_ONE_LINE_COLUMNS = 16
+
+
+class _ConllShape:
+    """A CoNLL file's shape from its plain token lines (comment lines aside), read once before its sentences: their
+    column counts, the tags they use, and the column counts of its sentences of several space-separated lines (each
+    line of which has the same count, or is refused), against which a sentence of one such line is checked: alone
+    it cannot show that a token holds a space. A file of one line too wide to be CoNLL is refused here."""
+
+    def __init__(self, path: str | Path):
+        self.path = path
+        self.widths, self.tags_used = set(), set()
+        self.sentence_widths, self.single_widths = {}, {}  # count -> first line; count -> (sentences, first line)
+        self._space_lines = []  # (line, count) of the current sentence's space-separated lines
+        token_lines, first = 0, None
+        for entry in _conll_entries(path):
+            if entry is None:
+                self._end_sentence()
+            elif not _is_comment_candidate(entry[1]):
+                columns = _columns(entry[1])
+                token_lines, first = token_lines + 1, first or (entry[0], len(columns))
+                self.widths.add(len(columns))
+                if "\t" not in entry[1]:
+                    self._space_lines.append((entry[0], len(columns)))
+                if len(columns) >= 2:
+                    self.tags_used.add(columns[-1])
+        self._end_sentence()
+        if not self.sentence_widths and self.single_widths:  # every sentence is one line: the count most have
+            single = self.single_widths
+            width = max(single, key=lambda w: (single[w][0], -single[w][1]))
+            self.sentence_widths = {width: single[width][1]}
+        if token_lines == 1 and first[1] > _MAX_ONE_LINE_COLUMNS:
+            raise DataError(
+                path,
+                first[0],
+                f"the file's one line has {first[1]} columns: too wide to be CoNLL (one token per line, token "
+                "first, tag last, a blank line between sentences); text of one sentence per line is a .txt file",
+            )
+
+    def _end_sentence(self) -> None:
+        if len(self._space_lines) == 1:
+            line, width = self._space_lines[0]
+            count, first = self.single_widths.get(width, (0, line))
+            self.single_widths[width] = (count + 1, first)
+        elif self._space_lines:
+            self.sentence_widths.setdefault(self._space_lines[0][1], self._space_lines[0][0])
+        self._space_lines.clear()
+
+    def reads_as_token_line(self, columns: list[str], tabbed: bool) -> bool:
+        """Whether a line that starts like a comment (``# ...``) is a token line of the file: the columns of one,
+        and, in a file whose lines have tags (a last column), a tag the file uses or one of the IOB family. The
+        same rule whether the tags are read or not."""
+        if (not tabbed and len(columns) not in self.widths) or any(_has_space(column) for column in columns):
+            return False
+        if not self.tags_used:  # one word per line
+            return True
+        return len(columns) >= 2 and (columns[-1] in self.tags_used or looks_like_tag(columns[-1]))
+
+    def check_one_line_sentence(self, width: int, line: int) -> None:
+        """Refuse a sentence of one space-separated line with more columns than a count the file's sentences have:
+        a token split at its space (fewer columns cannot be)."""
+        widths = self.sentence_widths
+        if widths and width not in widths and width > min(widths):
+            counts = " or ".join(str(w) for w in sorted(widths))
+            raise DataError(
+                self.path,
+                line,
+                f"{width} columns in a sentence of one line, where the file's sentences have {counts} (line "
+                f"{min(widths.values())}); a token cannot hold a space",
+            )
+
+
+class _ConllSentence:
+    """The sentence being read: its tokens, tags and their lines, checked line by line."""
+
+    def __init__(self, path: str | Path, shape: _ConllShape, tagged: bool):
+        self.path, self.shape, self.tagged = path, shape, tagged
+        self.tokens, self.tags, self.tag_lines = [], [], []
+        self.width, self.width_line, self.space_count = None, None, 0  # of the sentence's space-separated lines
+        self.tag_check = _TagColumnCheck(path)
+
+    def add(self, number: int, columns: list[str], tabbed: bool) -> None:
         for k, column in enumerate(columns):
             if _has_space(column):
                 what = "token" if k == 0 else "tag" if k == len(columns) - 1 else f"column {k + 1}"
                 raise DataError(
-                    path,
+                    self.path,
                     number,
                     f"{what} {column!r} holds a space, and whitespace separates the columns of a CoNLL file; write "
                     "one word per line (or use JSON lines)",
                 )
-        if tagged and len(columns) < 2:
-            raise DataError(
-                path, number, f"token {columns[0]!r} has no tag; expected 'token tag' (token first, tag last)"
-            )
+        if self.tagged and len(columns) < 2:
+            raise DataError(self.path, number, _no_tag_message(columns[0]))
         # Tabs make the columns unambiguous (token first, tag last, any number between, as corpora with optional
         # reading or feature columns write them); with spaces a changing count is a token that holds a space.
         if not tabbed:
-            space_count += 1
-            if sentence_width is None:
-                sentence_width, width_line = len(columns), number
-            elif len(columns) != sentence_width:
+            self.space_count += 1
+            if self.width is None:
+                self.width, self.width_line = len(columns), number
+            elif len(columns) != self.width:
                 raise DataError(
-                    path,
+                    self.path,
                     number,
-                    f"{len(columns)} columns where line {width_line} has {sentence_width}; every space-separated line "
-                    "of a sentence has the same columns (a token cannot hold a space)",
+                    f"{len(columns)} columns where line {self.width_line} has {self.width}; every space-separated "
+                    "line of a sentence has the same columns (a token cannot hold a space)",
                 )
-        tokens.append(columns[0])
-        tags.append(columns[-1])
-        tag_lines.append(number)
-    if tokens:
-        found = True
-        yield sentence()
-    if not found:
-        raise DataError(path, None, "empty file: no sentences")
-    if tagged:
-        tag_check.finish()
+        self.tokens.append(columns[0])
+        self.tags.append(columns[-1])
+        self.tag_lines.append(number)
+
+    def finish(self) -> dict:
+        """The sentence as an example (checked), and a new one begun."""
+        if self.space_count == 1:
+            self.shape.check_one_line_sentence(self.width, self.width_line)
+        example = {
+            "tokens": self.tokens,
+            "ner_tags": self.tags,
+            "line": self.tag_lines[0],
+            "tag_lines": self.tag_lines,
+        }
+        self.tokens, self.tags, self.tag_lines = [], [], []
+        self.width, self.width_line, self.space_count = None, None, 0
+        if self.tagged:
+            self.tag_check.add(example)
+            return example
+        return {"tokens": example["tokens"], "line": example["line"]}
+
+
+def _no_tag_message(column: str) -> str:
+    """Why a line of one column has no tag; a Unicode space in it (which does not separate CoNLL columns) named."""
+    message = f"token {_shorten(column)!r} has no tag; expected 'token tag' (token first, tag last)"
+    space = next((char for char in column if char.isspace()), None)
+    if space is not None:
+        message += (
+            f"; the token holds U+{ord(space):04X} ({unicodedata.name(space, 'a Unicode space')}), which is part of "
+            "a CoNLL token: separate the columns with a tab or a space"
+        )
+    return message
 
 
 def _conll_entries(path: str | Path) -> Iterator[tuple[int, str] | None]:
@@ -384,7 +441,8 @@ class _TagColumnCheck:
                 self.path,
                 line,
                 f"tag {tag!r} is neither 'O' nor a prefixed tag like the file's {self.prefixed_example!r}; the tag "
-                "goes last and every tag of an IOB file is 'O' or 'B-TYPE' / 'I-TYPE' / 'E-TYPE' / 'S-TYPE'",
+                "goes last and every tag of an IOB-family file is 'O' or a prefix (B-, I-, M-, E-, S-, L-, U-) and a "
+                "type",
             )
 
 
@@ -640,7 +698,8 @@ def read_ner_file(
     """Read NER examples from CoNLL or JSON lines (by suffix), as ``{"tokens", "ner_tags", "line", "tag_lines"}``.
 
     Tags are strings, or with ``tag_names`` (the Hub's ``ClassLabel`` convention) integer ids: id ``i`` is
-    ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays.
+    ``tag_names[i]`` (JSON integers, or digit strings in CoNLL); a tag that is already one of the names stays, as
+    does a prefixed tag of one of the names' entity types (``S-PER`` with ``O B-PER I-PER``: another scheme).
     JSON integer tags without ``tag_names``, an id out of range and an empty tag raise :class:`DataError`.
     """
     return list(iter_ner_file(path, tokens_field, tags_field, tag_names))
@@ -712,9 +771,16 @@ def _is_int(value) -> bool:
 _ID = re.compile(r"-?[0-9]+")
 
 
+def _of_named_types(tag: str, names: list[str]) -> bool:
+    return _PREFIXED_TAG.fullmatch(tag) is not None and any(
+        _PREFIXED_TAG.fullmatch(name) and name[2:] == tag[2:] for name in names
+    )
+
+
 def _tag_name(tag, names: list[str], path, line) -> str:
-    """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays."""
-    if isinstance(tag, str) and tag in names:
+    """The name of an integer id (``3`` or ``"3"``) from ``names``; a tag that is already a name stays, and so does
+    a tag of the names' entity types in another scheme (``S-PER`` where the names are ``O B-PER I-PER``)."""
+    if isinstance(tag, str) and (tag in names or _of_named_types(tag, names)):
         return tag
     if isinstance(tag, _JsonNumber) and tag.integer:
         text = tag.text
@@ -789,9 +855,22 @@ def _scalar_text(value) -> str:
     return value if isinstance(value, str) else value.text
 
 
+# What separates the words of a plain-text sentence: ASCII whitespace and the Unicode space separators (category Zs:
+# U+3000, the ideographic space of CJK text, the en / em / thin spaces, ...) except the no-break ones (U+00A0, U+2007,
+# U+202F), which keep a number or a name one word ("10\u202f000"). Line and paragraph separators (U+2028, U+2029,
+# \x85) and the control separators \x1c-\x1f are characters of a word, as in CoNLL.
+_TEXT_SPACE_RUN = re.compile(f"[{_SPACE}\u1680\u2000-\u2006\u2008-\u200a\u205f\u3000]+")
+
+
+def _split_text_words(text: str) -> list[str]:
+    return [word for word in _TEXT_SPACE_RUN.split(text) if word]
+
+
 def read_text_sentences(path: str | Path) -> list[dict]:
-    """Read plain text, one sentence per line, into ``{"tokens", "line"}``: the line's words split on ASCII whitespace
-    (a no-break space, ``U+2028`` or ``\x1c`` inside a word is part of it).
+    """Read plain text, one sentence per line, into ``{"tokens", "line"}``: the line's words split at ASCII
+    whitespace and the Unicode spaces that separate words (the ideographic space U+3000 of CJK text, U+2000-U+200A
+    but U+2007, U+1680, U+205F); a no-break space (U+00A0, U+2007, U+202F), ``U+2028`` or ``\x1c`` inside a word is
+    part of it.
 
     Blank lines are skipped. A file that reads as CoNLL instead (every line a single word, as in one word per line;
     or every line ending in a tag such as ``O`` / ``B-PER``) raises :class:`DataError`: name such a file ``.conll``.
@@ -806,7 +885,7 @@ def iter_text_sentences(path: str | Path) -> Iterator[dict]:
     for number, line in _iter_lines(path):
         if not line.strip():
             continue
-        ex = {"tokens": _split_words(line), "line": number}
+        ex = {"tokens": _split_text_words(line), "line": number}
         count += 1
         first = first or ex
         all_single = all_single and len(ex["tokens"]) == 1

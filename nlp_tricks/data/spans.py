@@ -7,9 +7,9 @@ a one-word entity at word ``i`` is ``(type, i, i + 1)``. Nested data is JSON lin
                                                            {"start": 3, "end": 4, "type": "LOC"}]}
 
 Flat data (CoNLL, or JSON lines with tags) is read as today and its tags turned into spans by :func:`tags_to_spans`,
-which finds the entities seqeval finds in its default mode (conlleval's rules; on valid IOB2 / IOBES tags the same as
-its strict mode). The label rows of :mod:`nlp_tricks.functional.spans` are built by :func:`span_label_rows` and
-padded by :class:`SpanCollator`.
+the one rule of :mod:`nlp_tricks.data.schemes` for every tag scheme (IOB1, IOB2, BIOES, BMES, BILOU): conlleval's
+lenient reading, the entities seqeval finds in its default mode. The label rows of
+:mod:`nlp_tricks.functional.spans` are built by :func:`span_label_rows` and padded by :class:`SpanCollator`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .readers import JSONL_SUFFIXES, DataError, _iter_lines, iter_jsonl, iter_ner_file
+from .schemes import spans_to_tags, split_tag, tags_to_spans
 
 __all__ = [
     "tags_to_spans",
@@ -34,57 +35,9 @@ __all__ = [
 
 # A span head label row that marks a word's first sub-token (the same value as nlp_tricks.functional.spans.WORD).
 WORD = -1
-# BILOU's last / unit tags are BIOES's end / single ones.
-_PREFIXES = {"B": "B", "I": "I", "E": "E", "S": "S", "L": "E", "U": "S"}
 
 
-# ---- Tags <-> spans -----------------------------------------------------------------------------------------------
-
-
-def _parse_tag(tag: str) -> tuple[str, str]:
-    if tag == "O":
-        return "O", ""
-    if isinstance(tag, str) and len(tag) > 2 and tag[1] == "-" and tag[0] in _PREFIXES:
-        return _PREFIXES[tag[0]], tag[2:]
-    raise ValueError(f"tag {tag!r} is neither 'O' nor a prefixed tag (B-, I-, E-, S-, L- or U- and a type)")
-
-
-def tags_to_spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-    """The entities ``(type, start, end exclusive)`` of a tag sequence (IOB1, IOB2, IOE, BIOES or BILOU), in order.
-
-    The rules are conlleval's, as seqeval applies them in its default mode: an entity ends before ``B-`` / ``S-``,
-    ``O`` or a change of type, and after ``E-`` / ``S-``; an ``I-`` or ``E-`` after ``O`` or after a finished entity
-    opens one. On valid IOB2 or IOBES tags these are the entities of seqeval's strict mode. A tag that is not ``O``
-    or a prefix and a type raises ``ValueError``.
-    """
-    spans = []
-    prev_tag, prev_type, begin = "O", "", 0
-    for i, (tag, kind) in enumerate([*map(_parse_tag, tags), ("O", "")]):
-        ends = prev_tag in ("E", "S") or (prev_tag in ("B", "I") and tag in ("B", "S", "O"))
-        if prev_tag != "O" and prev_type != kind:
-            ends = True
-        if ends:
-            spans.append((prev_type, begin, i))
-        starts = tag in ("B", "S") or (prev_tag in ("E", "S", "O") and tag in ("I", "E"))
-        if tag != "O" and prev_type != kind:
-            starts = True
-        if starts:
-            begin = i
-        prev_tag, prev_type = tag, kind
-    return spans
-
-
-def spans_to_tags(spans: Iterable[tuple[str, int, int]], length: int) -> list[str]:
-    """IOB2 tags of ``length`` words holding non-overlapping spans ``(type, start, end exclusive)``; overlapping or
-    out-of-range spans raise ``ValueError``."""
-    tags = ["O"] * length
-    for kind, start, end in spans:
-        if not 0 <= start < end <= length:
-            raise ValueError(f"span ({kind!r}, {start}, {end}) is not within {length} words (end exclusive)")
-        if any(tag != "O" for tag in tags[start:end]):
-            raise ValueError(f"span ({kind!r}, {start}, {end}) overlaps another: IOB2 tags hold flat entities only")
-        tags[start:end] = [f"B-{kind}"] + [f"I-{kind}"] * (end - start - 1)
-    return tags
+# Tags <-> spans: ``tags_to_spans`` and ``spans_to_tags`` (IOB2 unless a scheme is named) are nlp_tricks.data.schemes'.
 
 
 # ---- Reading ------------------------------------------------------------------------------------------------------
@@ -124,7 +77,7 @@ def iter_span_file(
         lines = ex.get("tag_lines") or [ex["line"]] * len(ex["ner_tags"])
         for tag, line in zip(ex["ner_tags"], lines):
             try:
-                _parse_tag(tag)
+                split_tag(tag)
             except ValueError as err:
                 raise DataError(path, line, f"{err}; a span head reads entities from the tags") from None
         spans = tags_to_spans(ex["ner_tags"])

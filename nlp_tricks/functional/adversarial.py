@@ -388,9 +388,9 @@ class PGD:
             clean gradient of the embedding output was 0, inf or NaN (e.g. an fp16 overflow step, which the scaler
             skips anyway); then only the clean gradient was accumulated.
         """
-        if backward is None:
-            backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
+        backward = _backward_fn(backward, grad_scaler)
         scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
+        synced = no_sync is not None
         no_sync = no_sync or contextlib.nullcontext
         # First among the module's hooks: the others (NEFTune noise) apply on top of the lookup that the attack's last
         # pass replaces by its sparse-gradient one, instead of being dropped with it.
@@ -402,20 +402,11 @@ class PGD:
                 backward(clean)
             space = self._collect()
             self._mode = None
-
-            delta, ok = self._ascend(space, torch.zeros_like(space.clean_grad), space.clean_grad)
-            if not ok:
-                if no_sync is not contextlib.nullcontext:
+            delta = self._attack(space, loss_fn, scale, no_sync)
+            if delta is None:
+                if synced:  # the other processes still all-reduce once: so must this one
                     backward(loss_fn() * 0.0)
                 return clean.detach(), None
-            for _ in range(self.steps - 1):
-                leaf = delta.requires_grad_()
-                self._perturb(space, leaf)
-                with no_sync():
-                    (grad,) = torch.autograd.grad(scale(loss_fn()), leaf)
-                delta, ok = self._ascend(space, delta.detach(), grad)
-                if not ok:  # no ascent direction: the classic recipe would rerun the same pass; stop here
-                    break
             self._perturb(space, delta)
             if torch.is_grad_enabled():
                 self._sparse = {module for module in self.modules if _sparse_grad_ok(module)}
@@ -428,6 +419,22 @@ class PGD:
             self._mode = None
             self._sparse = set()
             self._captured, self._delta, self._cursor = {}, {}, {}
+
+    def _attack(self, space: _Space, loss_fn, scale, no_sync) -> torch.Tensor | None:
+        """The perturbation after the ascent steps from zero, each on the gradient at the previous one (their
+        passes' gradients reach no parameter); ``None`` when the clean gradient gives no direction (0, inf, NaN)."""
+        delta, ok = self._ascend(space, torch.zeros_like(space.clean_grad), space.clean_grad)
+        if not ok:
+            return None
+        for _ in range(self.steps - 1):
+            leaf = delta.requires_grad_()
+            self._perturb(space, leaf)
+            with no_sync():
+                (grad,) = torch.autograd.grad(scale(loss_fn()), leaf)
+            delta, ok = self._ascend(space, delta.detach(), grad)
+            if not ok:  # no ascent direction: the classic recipe would rerun the same pass; stop here
+                break
+        return delta
 
     def _collect(self) -> _Space:
         """The clean gradients of the captured embedding outputs, flattened to ``(positions, hidden)`` float32."""
@@ -678,21 +685,10 @@ class FreeLB:
                     backward(clean)
             for k in range(self.steps):
                 last = k == self.steps - 1
-                self._leaves, self._cursor = {}, {}
-                if torch.is_grad_enabled():
-                    self._sparse = {module for module in self.modules if _sparse_grad_ok(module)}
-                scale = 1.0 / self.steps + (1.0 if merged and k == 0 else 0.0)
-                # DDP decides in the forward whether the backward all-reduces: both run inside no_sync.
-                with contextlib.nullcontext() if last else no_sync():
-                    self._active = True
-                    try:
-                        loss = loss_fn()
-                    finally:
-                        self._active = False
-                    self._check_calls()
-                    self._started = True
-                    backward(loss * scale)
-                losses.append(loss.detach())
+                weight = 1.0 / self.steps + (1.0 if merged and k == 0 else 0.0)
+                losses.append(
+                    self._perturbed_pass(loss_fn, backward, weight, contextlib.nullcontext if last else no_sync)
+                )
                 if not last and not self._ascend():
                     if synced:  # the other processes still all-reduce once: so must this one
                         backward(loss_fn() * 0.0)
@@ -706,6 +702,24 @@ class FreeLB:
             self._mask = None
             self._sparse = set()
             self._deltas, self._leaves, self._cursor = {}, {}, {}
+
+    def _perturbed_pass(self, loss_fn, backward, weight: float, no_sync) -> torch.Tensor:
+        """One pass at the current perturbation, its loss backpropagated at ``weight`` (the gradient at ``delta`` on
+        each leaf, for the next ascent). DDP decides in the forward whether the backward all-reduces: both run inside
+        ``no_sync``."""
+        self._leaves, self._cursor = {}, {}
+        if torch.is_grad_enabled():
+            self._sparse = {module for module in self.modules if _sparse_grad_ok(module)}
+        with no_sync():
+            self._active = True
+            try:
+                loss = loss_fn()
+            finally:
+                self._active = False
+            self._check_calls()
+            self._started = True
+            backward(loss * weight)
+        return loss.detach()
 
     def _check_calls(self) -> None:
         if not self._deltas:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..runtime.checkpoint import CheckpointMismatchError, unwrap_model
+from .models import CheckpointMismatchError, unwrap_model
 
 __all__ = ["EMA", "ema_decay_at", "validate_ema_decay"]
 

@@ -3,12 +3,13 @@
 
 :class:`LMHeadLogits` stands for the logits ``linear(hidden, weight, bias) / temperature`` without computing them:
 the losses of :mod:`nlp_tricks.functional.losses` that are functions of each item's log-sum-exp, target logit and
-mean logit (``cross_entropy``, ``focal_loss``, ``label_smoothing_cross_entropy``, ``dft_loss``, class weights
-included) take it in place of a logits tensor. Their statistics are computed by :class:`_ChunkedHeadStats` over the
-positions whose label is not ignored, ``chunk_size`` tokens at a time; its backward recomputes each chunk's logits
-and writes the gradients of the hidden states, the weight and the bias chunk by chunk. Memory: one chunk's logits
-(and its gradient, in place) instead of the whole batch's, which is several times the logits in float32 for
-upstream's loss (the logits, their log-softmax, its gradient).
+mean logit (``cross_entropy``, ``focal_loss``, ``label_smoothing_cross_entropy``, ``dft_loss``, ``poly1_loss``, class
+weights included: each loss type whose entry in the loss table says ``chunked``) take it in place of a logits
+tensor. Their statistics are computed by :class:`_ChunkedHeadStats` over the positions whose label is not ignored,
+``chunk_size`` tokens at a time; its backward recomputes each chunk's logits and writes the gradients of the hidden
+states, the weight and the bias chunk by chunk. Memory: one chunk's logits (and its gradient, in place) instead of
+the whole batch's, which is several times the logits in float32 for upstream's loss (the logits, their log-softmax,
+its gradient).
 
 The idea is that of Liger's fused linear cross-entropy and Apple's cut cross-entropy (Wijmans et al. 2024,
 https://arxiv.org/abs/2411.09009), in plain torch and for every loss above.
@@ -49,8 +50,9 @@ class LMHeadLogits:
     """The logits ``F.linear(hidden, weight, bias) / temperature`` of a linear LM head, never computed whole.
 
     Pass it where the losses of :mod:`nlp_tricks.functional.losses` take ``logits`` (``cross_entropy``,
-    ``focal_loss``, ``label_smoothing_cross_entropy``, ``dft_loss``): the loss, and its gradients with respect to
-    ``hidden``, ``weight`` and ``bias``, equal those on the materialised logits up to float summation order.
+    ``focal_loss``, ``label_smoothing_cross_entropy``, ``dft_loss``, ``poly1_loss``): the loss, and its gradients with
+    respect to ``hidden``, ``weight`` and ``bias``, equal those on the materialised logits up to float summation
+    order.
     ``hidden`` is ``(..., H)`` with the labels' shape before ``H``; dividing by a number divides the temperature.
 
     Attributes:

@@ -506,7 +506,7 @@ def load_crf_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:
     """
     from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoConfig
 
-    from ..runtime.versions import CRF_LOADING_SINCE, require_transformers
+    from .versions import CRF_LOADING_SINCE, require_transformers
 
     require_transformers(CRF_LOADING_SINCE, "load_crf_model")
     config_kwargs = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token", "cache_dir") if k in kwargs}

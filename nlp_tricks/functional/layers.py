@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
+
+from .models import unwrap_model
 
 __all__ = ["model_layers", "reinit_top_layers", "freeze_bottom_layers", "unfreeze", "seeded"]
 
@@ -66,7 +67,7 @@ def layer_ids(base_model: nn.Module) -> tuple[dict[str, int], int]:
 
 def _body(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The transformers model inside ``model`` (PEFT unwrapped) and its base model."""
-    inner = unwrap_peft_model(model)
+    inner = unwrap_model(model, peft=True)
     config = getattr(inner, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(

@@ -6,14 +6,17 @@ whatever the logits' dtype. When ``num_items_in_batch`` is given the result is `
 normaliser the Trainer counts over a whole accumulated (and multi-process) batch, which makes gradient accumulation
 exact.
 
-``cross_entropy``, ``focal_loss``, ``label_smoothing_cross_entropy`` and ``dft_loss`` also take, in place of the
-logits, an :class:`~nlp_tricks.functional.chunked_loss.LMHeadLogits` (a linear LM head's input and weight): the same
-loss computed in chunks of tokens, never holding the ``(tokens, vocab)`` logits.
+``cross_entropy``, ``focal_loss``, ``label_smoothing_cross_entropy``, ``dft_loss`` and ``poly1_loss`` also take, in
+place of the logits, an :class:`~nlp_tricks.functional.chunked_loss.LMHeadLogits` (a linear LM head's input and
+weight): the same loss computed in chunks of tokens, never holding the ``(tokens, vocab)`` logits. Each starts from
+:func:`_targets` (each item's counted flag, safe label, log-sum-exp and target logit), which is what makes that work.
 
 No Trainer imports here: these are usable in any training loop.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,7 @@ __all__ = [
     "label_smoothing_cross_entropy",
     "cross_entropy",
     "dft_loss",
+    "poly1_loss",
     "distillation_loss",
     "balanced_class_weights",
     "parse_class_weights",
@@ -113,6 +117,38 @@ def _logit_stats(
     return _LogitStats.apply(logits, labels, mean_weight)
 
 
+class _Targets(NamedTuple):
+    """Each flattened item's counted flag, safe label and logit statistics: what every loss here starts from."""
+
+    shape: torch.Size  # the labels' shape (for reduction="none")
+    valid: torch.Tensor  # (N,) bool: the label is not ignore_index
+    labels: torch.Tensor  # (N,) the labels, 0 at ignored items (safe to index with)
+    lse: torch.Tensor  # (N,) logsumexp of the row
+    target: torch.Tensor  # (N,) the target logit x_y
+    mean: torch.Tensor  # (N,) the mean logit (x @ mean_weight with one)
+    num_classes: int
+
+    @property
+    def log_p(self) -> torch.Tensor:
+        """``log p_y`` per item (meaningless at ignored items)."""
+        return self.target - self.lse
+
+
+def _targets(
+    logits: torch.Tensor | LMHeadLogits,
+    labels: torch.Tensor,
+    ignore_index: int,
+    mean_weight: torch.Tensor | None = None,
+) -> _Targets:
+    """Flatten the logits and labels, mark the counted items and take each row's ``(lse, target, mean)``."""
+    shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0)
+    lse, target, mean = _logit_stats(logits, safe_labels, valid, mean_weight)
+    return _Targets(shape, valid, safe_labels, lse, target, mean, logits.shape[-1])
+
+
 def _class_weight(weight, num_classes: int, like: torch.Tensor, name: str = "weight") -> torch.Tensor | None:
     """Per-class weights as a float32 (C,) tensor on ``like``'s device (``None`` stays ``None``)."""
     if weight is None:
@@ -152,12 +188,8 @@ def focal_loss(
     """
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    labels_shape = labels.shape
-    logits, labels = _flatten(logits, labels)
-    valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, 0)
-    lse, target, _ = _logit_stats(logits, safe_labels, valid)
-    log_pt = target - lse
+    t = _targets(logits, labels, ignore_index)
+    log_pt = t.log_p
     if gamma == 0:
         loss = -log_pt
     else:
@@ -165,15 +197,13 @@ def focal_loss(
         loss = -((1.0 - log_pt.exp()).clamp(min=0.0) ** gamma) * log_pt
     if alpha is not None:
         alpha = torch.as_tensor(alpha, dtype=loss.dtype, device=loss.device)
-        if alpha.shape != (logits.shape[-1],):
-            raise ValueError(
-                f"alpha must have one weight per class ({logits.shape[-1]}), got shape {tuple(alpha.shape)}"
-            )
-        weight = alpha[safe_labels] * valid
+        if alpha.shape != (t.num_classes,):
+            raise ValueError(f"alpha must have one weight per class ({t.num_classes}), got shape {tuple(alpha.shape)}")
+        weight = alpha[t.labels] * t.valid
     else:
-        weight = valid.to(loss.dtype)
-    loss = torch.where(valid, loss * weight, 0.0)
-    return _reduce(loss, weight, labels_shape, reduction, num_items_in_batch)
+        weight = t.valid.to(loss.dtype)
+    loss = torch.where(t.valid, loss * weight, 0.0)
+    return _reduce(loss, weight, t.shape, reduction, num_items_in_batch)
 
 
 def focal_alpha_weights(alpha, label_names: list[str], background: str = "O") -> list[float]:
@@ -230,23 +260,30 @@ def label_smoothing_cross_entropy(
     """
     if not 0.0 <= epsilon <= 1.0:
         raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
-    labels_shape = labels.shape
-    logits, labels = _flatten(logits, labels)
-    valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, 0)
-    weight = _class_weight(weight, logits.shape[-1], logits)
-    if weight is None:
-        lse, target, mean = _logit_stats(logits, safe_labels, valid)
-        # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
-        loss = torch.where(valid, lse - (1.0 - epsilon) * target - epsilon * mean, 0.0)
-        return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
+    t, weight = _weighted_targets(logits, labels, ignore_index, weight)
+    loss, item_weight = _smoothed_nll(t, epsilon, weight)
+    return _reduce(loss, item_weight, t.shape, reduction, num_items_in_batch)
+
+
+def _weighted_targets(logits, labels, ignore_index: int, weight) -> tuple[_Targets, torch.Tensor | None]:
+    """:func:`_targets` whose ``mean`` is ``(w . x) / C`` with per-class ``weight`` (C,), and that weight."""
     num_classes = logits.shape[-1]
-    lse, target, weighted_mean = _logit_stats(logits, safe_labels, valid, weight / num_classes)
-    item_weight = torch.where(valid, weight[safe_labels], 0.0)
+    weight = _class_weight(weight, num_classes, logits)
+    return _targets(logits, labels, ignore_index, None if weight is None else weight / num_classes), weight
+
+
+def _smoothed_nll(t: _Targets, epsilon: float, weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per item, the cross-entropy against ``(1 - epsilon) * one_hot(y) + epsilon / C`` (0 at ignored items), and
+    each item's share of a mean: ``w_y`` with per-class weights (the ``mean`` of ``t`` is then ``(w . x) / C``)."""
+    if weight is None:
+        # -log p_y = lse - x_y and -mean_c log p_c = lse - mean(x)
+        loss = torch.where(t.valid, t.lse - (1.0 - epsilon) * t.target - epsilon * t.mean, 0.0)
+        return loss, t.valid.to(loss.dtype)
+    item_weight = torch.where(t.valid, weight[t.labels], 0.0)
     # sum_c w_c (-log p_c) / C = lse * sum(w) / C - (w . x) / C
-    smooth = lse * (weight.sum() / num_classes) - weighted_mean
-    loss = torch.where(valid, (1.0 - epsilon) * item_weight * (lse - target) + epsilon * smooth, 0.0)
-    return _reduce(loss, item_weight, labels_shape, reduction, num_items_in_batch)
+    smooth = t.lse * (weight.sum() / t.num_classes) - t.mean
+    loss = torch.where(t.valid, (1.0 - epsilon) * item_weight * (t.lse - t.target) + epsilon * smooth, 0.0)
+    return loss, item_weight
 
 
 def cross_entropy(
@@ -257,24 +294,29 @@ def cross_entropy(
     reduction: str = "mean",
     num_items_in_batch: torch.Tensor | int | None = None,
     weight: torch.Tensor | list[float] | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy`` in float32 over ``(N, C)`` / ``(B, L, C)`` logits, with ``num_items_in_batch``.
 
     With per-class ``weight`` (C,) the mean divides by the sum of the weights of the counted items, as
     ``F.cross_entropy(weight=...)`` does; ``num_items_in_batch`` must then be that sum over the whole batch.
+    ``label_smoothing > 0`` is :func:`label_smoothing_cross_entropy` with that ``epsilon`` (as ``F.cross_entropy``'s
+    ``label_smoothing``).
     """
-    labels_shape = labels.shape
-    logits, labels = _flatten(logits, labels)
-    weight = _class_weight(weight, logits.shape[-1], logits)
+    kwargs = dict(ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch, weight=weight)
+    if label_smoothing != 0:
+        return label_smoothing_cross_entropy(logits, labels, epsilon=label_smoothing, **kwargs)
     if isinstance(logits, LMHeadLogits):  # from the statistics: -log p_y = lse - x_y
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        valid = labels != ignore_index
-        safe_labels = torch.where(valid, labels, 0)
-        lse, target, _ = _logit_stats(logits, safe_labels, valid)
-        item_weight = valid.float() if weight is None else torch.where(valid, weight[safe_labels], 0.0)
-        loss = torch.where(valid, (lse - target) * item_weight, 0.0)
-        return _reduce(loss, item_weight, labels_shape, reduction, num_items_in_batch)
+        weight = _class_weight(weight, logits.shape[-1], logits)
+        t = _targets(logits, labels, ignore_index)
+        item_weight = t.valid.float() if weight is None else torch.where(t.valid, weight[t.labels], 0.0)
+        loss = torch.where(t.valid, (t.lse - t.target) * item_weight, 0.0)
+        return _reduce(loss, item_weight, t.shape, reduction, num_items_in_batch)
+    labels_shape = labels.shape
+    logits, labels = _flatten(logits, labels)
+    weight = _class_weight(weight, logits.shape[-1], logits)
     if num_items_in_batch is None:
         loss = F.cross_entropy(logits, labels, weight=weight, ignore_index=ignore_index, reduction=reduction)
         return loss.reshape(labels_shape) if reduction == "none" else loss
@@ -306,14 +348,57 @@ def dft_loss(
         num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``, so
             gradient accumulation and DDP are exact with the Trainer's count.
     """
-    labels_shape = labels.shape
-    logits, labels = _flatten(logits, labels)
-    valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, 0)
-    lse, target, _ = _logit_stats(logits, safe_labels, valid)
-    log_p = target - lse
-    loss = torch.where(valid, -log_p.detach().exp() * log_p, 0.0)
-    return _reduce(loss, valid.to(loss.dtype), labels_shape, reduction, num_items_in_batch)
+    t = _targets(logits, labels, ignore_index)
+    log_p = t.log_p
+    loss = torch.where(t.valid, -log_p.detach().exp() * log_p, 0.0)
+    return _reduce(loss, t.valid.to(loss.dtype), t.shape, reduction, num_items_in_batch)
+
+
+def poly1_loss(
+    logits: torch.Tensor | LMHeadLogits,
+    labels: torch.Tensor,
+    *,
+    epsilon: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    weight: torch.Tensor | list[float] | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Poly-1: cross-entropy plus ``epsilon`` times the first polynomial term, ``-log p_y + epsilon * (1 - p_y)``.
+
+    Leng et al. 2022, "PolyLoss: A Polynomial Expansion Perspective of Classification Loss Functions",
+    https://arxiv.org/abs/2204.12511 (Eq. 3): cross-entropy is ``sum_j (1 - p_y)^j / j``; Poly-1 raises the weight of
+    the first term from 1 to ``1 + epsilon``, so confident items keep a larger gradient (``epsilon > 0``) or a
+    smaller one (``-1 <= epsilon < 0``). ``epsilon=0`` is cross-entropy.
+
+    With ``label_smoothing`` ``s`` the target is ``q = (1 - s) one_hot(y) + s / C`` in both terms, as in the paper's
+    appendix: the cross-entropy against ``q`` plus ``epsilon * sum_c q_c (1 - p_c) = epsilon * ((1 - s)(1 - p_y) +
+    s (1 - 1/C))``. With per-class ``weight`` each item's whole loss is weighted by ``w_y`` (the cross-entropy part
+    exactly as ``F.cross_entropy(weight=..., label_smoothing=s)`` weighs it) and the mean divides by ``sum_i w_{y_i}``.
+
+    Args:
+        logits (`torch.Tensor` or `LMHeadLogits`): ``(N, C)`` or ``(B, L, C)`` (see the module docstring).
+        labels (`torch.Tensor`): ``(N,)`` or ``(B, L)`` class indices; ``ignore_index`` marks items to skip.
+        epsilon (`float`, defaults to 1.0): the first term's extra weight, >= -1 (below, the loss rises again as
+            ``p_y`` nears 1).
+        ignore_index (`int`, defaults to -100): label value that contributes nothing.
+        reduction (`str`, defaults to "mean"): "mean" (over counted items), "sum" or "none" (0 at ignored ones).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*): if given, returns ``sum / num_items_in_batch``
+            (with ``weight``: the sum of the weights of the counted items of the whole batch).
+        weight (`torch.Tensor` or `list[float]`, *optional*): per-class weights (C,).
+        label_smoothing (`float`, defaults to 0.0): smoothing mass ``s`` in [0, 1].
+    """
+    if not epsilon >= -1.0:
+        raise ValueError(f"epsilon must be >= -1, got {epsilon}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    t, weight = _weighted_targets(logits, labels, ignore_index, weight)
+    nll, item_weight = _smoothed_nll(t, label_smoothing, weight)
+    # 1 - p_y as -expm1(log p_y): no cancellation when p_y is near 1.
+    one_minus_pt = (1.0 - label_smoothing) * -torch.expm1(t.log_p) + label_smoothing * (1.0 - 1.0 / t.num_classes)
+    loss = torch.where(t.valid, nll + epsilon * item_weight * one_minus_pt, 0.0)
+    return _reduce(loss, item_weight, t.shape, reduction, num_items_in_batch)
 
 
 def distillation_loss(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models import unwrap_model
 from .outputs import output_logits
 
 __all__ = [
@@ -338,11 +339,7 @@ def causal_scheduled_sampling_forward(
             "LM's labels line up with its inputs; the loss shifts them)"
         )
     if draw is None and ratio < 1.0:
-        mask = causal_replacement_mask(labels, ratio, generator=generator, shift_labels=inputs.get("shift_labels"))
-        with torch.no_grad():
-            logits = _pass1_logits(model, inputs, mask)
-            draw = draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
-            del logits
+        draw = _causal_draw(model, inputs, labels, ratio, mode, temperature, generator)
     if draw is None:
         outputs = forward(**inputs)
     else:
@@ -351,6 +348,14 @@ def causal_scheduled_sampling_forward(
         rest = {key: value for key, value in inputs.items() if key != "input_ids"}
         outputs = forward(**rest, **mixed)
     return (outputs, draw) if return_draw else outputs
+
+
+def _causal_draw(model, inputs, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw:
+    """Which completion tokens pass 2 replaces, and by what: pass 1 teacher-forced under ``no_grad``, then the draw."""
+    mask = causal_replacement_mask(labels, ratio, generator=generator, shift_labels=inputs.get("shift_labels"))
+    with torch.no_grad():
+        logits = _pass1_logits(model, inputs, mask)
+        return draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
 
 
 def _pass1_logits(model: nn.Module, inputs: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -379,9 +384,8 @@ def _takes_boolean_logits_to_keep(model: nn.Module) -> bool:
     """Whether ``model``'s forward slices its hidden states with transformers' ``slice_logits_to_keep`` (which takes a
     boolean ``(B, L)`` mask and returns the kept rows flattened)."""
     from transformers import modeling_utils
-    from transformers.trainer_utils import unwrap_peft_model
 
-    base = unwrap_peft_model(model)
+    base = unwrap_model(model, peft=True)
     helper = getattr(modeling_utils, "slice_logits_to_keep", None)
     forward = type(base).forward
     if helper is None or type(model) in _FULL_LOGITS:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .losses import multilabel_categorical_crossentropy
+from .models import unwrap_model
 
 __all__ = [
     "SPAN_HEADS",
@@ -238,10 +239,7 @@ def check_span_labels(labels: torch.Tensor) -> None:
 
 def span_head_of(model: nn.Module) -> SpanHead:
     """The :class:`SpanHead` of a model (unwrapping DataParallel / DDP), ``ValueError`` if it has none."""
-    while hasattr(model, "module") and not any(
-        isinstance(getattr(model, a, None), SpanHead) for a in _HEAD_ATTRIBUTES
-    ):
-        model = model.module
+    model = unwrap_model(model)
     for attribute in _HEAD_ATTRIBUTES:
         head = getattr(model, attribute, None)
         if isinstance(head, SpanHead):

@@ -98,6 +98,38 @@ def tie_encoder_decoder(model: PreTrainedModel, scope: str | None = None) -> dic
         `dict[str, str]`: ``{decoder parameter name: encoder parameter name}`` of every tie now in place (names as in
         ``model.named_parameters()``).
     """
+    scope = _scope(model, scope)
+    if scope == "none":
+        return {}
+    encoder, decoder = _stacks(model)
+    ties = _Ties(model)
+    # The model's own input embedding (BART's and T5's `shared`) is the tensor transformers keeps when it saves tied
+    # embeddings, so it is the source: after `from_pretrained` it holds the trained values.
+    model_input = model.get_input_embeddings()
+    encoder_input = encoder.get_input_embeddings()
+    source_module = model_input if model_input is not None else encoder_input
+    for module in (encoder_input, decoder.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None and module is not source_module:
+            ties.tie(module, "weight", source_module.weight)
+    if scope == "all":
+        encoder_slots = _parameter_slots(encoder)
+        for key, (module, attr) in _parameter_slots(decoder).items():
+            if key not in encoder_slots:
+                continue
+            enc_param = getattr(*encoder_slots[key])
+            if getattr(module, attr).shape == enc_param.shape:
+                ties.tie(module, attr, enc_param)
+    # transformers 5 saves a shared tensor only if its aliases are declared (`remove_tied_weights_from_state_dict`);
+    # the instance attribute extends the class's declaration for this model only.
+    model._tied_weights_keys = {**dict(getattr(model, "_tied_weights_keys", None) or {}), **ties.made}
+    if isinstance(getattr(model, "all_tied_weights_keys", None), dict):
+        model.all_tied_weights_keys.update(ties.made)
+    setattr(model.config, TIE_SCOPE_CONFIG_KEY, scope)
+    return ties.made
+
+
+def _scope(model: PreTrainedModel, scope: str | None) -> str:
+    """``scope``, or the one recorded in ``model.config`` for ``None``; an unknown one is refused."""
     if scope is None:
         scope = getattr(model.config, TIE_SCOPE_CONFIG_KEY, None)
         if scope is None:
@@ -107,54 +139,27 @@ def tie_encoder_decoder(model: PreTrainedModel, scope: str | None = None) -> dic
             )
     if scope not in TIE_SCOPES:
         raise ValueError(f"scope={scope!r} is not allowed; choose one of {', '.join(map(repr, TIE_SCOPES))}")
-    if scope == "none":
-        return {}
+    return scope
 
-    encoder, decoder = _stacks(model)
-    module_names = {id(module): name for name, module in model.named_modules()}
-    param_names = {id(param): name for name, param in model.named_parameters()}
 
-    def slot_name(module, attr):
-        prefix = module_names[id(module)]
-        return f"{prefix}.{attr}" if prefix else attr
+class _Ties:
+    """The ties made in one model, ``{decoder parameter name: encoder parameter name}`` (names as the model had them
+    before any tie)."""
 
-    ties: dict[str, str] = {}
+    def __init__(self, model: nn.Module):
+        self.module_names = {id(module): name for name, module in model.named_modules()}
+        self.param_names = {id(param): name for name, param in model.named_parameters()}
+        self.made: dict[str, str] = {}
 
-    def tie(module: nn.Module, attr: str, source: nn.Parameter) -> None:
+    def tie(self, module: nn.Module, attr: str, source: nn.Parameter) -> None:
+        """Make ``module.<attr>`` the parameter ``source``."""
+        prefix = self.module_names[id(module)]
+        name = f"{prefix}.{attr}" if prefix else attr
         target = getattr(module, attr)
         if target.shape != source.shape:
             raise ValueError(
-                f"cannot tie {slot_name(module, attr)} {tuple(target.shape)} to {param_names[id(source)]} "
+                f"cannot tie {name} {tuple(target.shape)} to {self.param_names[id(source)]} "
                 f"{tuple(source.shape)}: shapes differ (e.g. encoder and decoder vocabularies differ)"
             )
         setattr(module, attr, source)
-        ties[slot_name(module, attr)] = param_names[id(source)]
-
-    # The model's own input embedding (BART's and T5's `shared`) is the tensor transformers keeps when it saves tied
-    # embeddings, so it is the source: after `from_pretrained` it holds the trained values.
-    model_input = model.get_input_embeddings()
-    encoder_input = encoder.get_input_embeddings()
-    source_module = model_input if model_input is not None else encoder_input
-    for module in (encoder_input, decoder.get_input_embeddings(), model.get_output_embeddings()):
-        if module is not None and module is not source_module:
-            tie(module, "weight", source_module.weight)
-
-    if scope == "all":
-        encoder_slots = _parameter_slots(encoder)
-        for key, (module, attr) in _parameter_slots(decoder).items():
-            if key not in encoder_slots:
-                continue
-            enc_module, enc_attr = encoder_slots[key]
-            enc_param = getattr(enc_module, enc_attr)
-            if getattr(module, attr).shape == enc_param.shape:
-                tie(module, attr, enc_param)
-
-    # transformers 5 saves a shared tensor only if its aliases are declared (`remove_tied_weights_from_state_dict`);
-    # the instance attribute extends the class's declaration for this model only.
-    declared = dict(getattr(model, "_tied_weights_keys", None) or {})
-    declared.update(ties)
-    model._tied_weights_keys = declared
-    if isinstance(getattr(model, "all_tied_weights_keys", None), dict):
-        model.all_tied_weights_keys.update(ties)
-    setattr(model.config, TIE_SCOPE_CONFIG_KEY, scope)
-    return ties
+        self.made[name] = self.param_names[id(source)]

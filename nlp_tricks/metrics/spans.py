@@ -1,4 +1,5 @@
-"""Entity precision / recall / F1 over exact spans ``(type, start, end)``, nested entities allowed.
+"""Entity precision / recall / F1 over exact spans ``(type, start, end)``, nested entities allowed; of tag sequences
+in any scheme (:func:`tag_f1`).
 
 On flat entities it is seqeval's entity score (the ``seqeval_f1`` metric) computed on the spans instead of the tags:
 the same numbers, to the last bit.
@@ -9,7 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-__all__ = ["span_f1"]
+from ..data.schemes import tags_to_spans
+
+__all__ = ["span_f1", "tag_f1"]
 
 
 def span_f1(
@@ -41,3 +44,20 @@ def _scores(hits: int, predicted: int, gold: int) -> dict:
     # seqeval's order of operations (2 * p * r / (p + r)), so flat scores equal its own bit for bit.
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"precision": precision, "recall": recall, "f1": f1, "number": gold}
+
+
+def tag_f1(predictions: Sequence[Sequence[str]], references: Sequence[Sequence[str]]) -> dict:
+    """:func:`span_f1` of tag sequences in any scheme (IOB1, IOB2, BIOES, BMES, BILOU), their entities read by the one
+    rule of :mod:`nlp_tricks.data.schemes` (conlleval's lenient reading), and ``accuracy``: the share of words whose
+    predicted tag is the gold one, as written. The ``seqeval_f1`` metric's numbers on the schemes seqeval reads."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predicted sentences for {len(references)} gold ones")
+    right = words = 0
+    for i, (pred, gold) in enumerate(zip(predictions, references)):
+        if len(pred) != len(gold):
+            raise ValueError(f"sentence {i}: {len(pred)} predicted tags for {len(gold)} gold ones")
+        right += sum(p == g for p, g in zip(pred, gold))
+        words += len(gold)
+    scores = span_f1([tags_to_spans(p) for p in predictions], [tags_to_spans(g) for g in references])
+    scores["accuracy"] = right / words if words else 0.0
+    return scores

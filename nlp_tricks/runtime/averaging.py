@@ -2,8 +2,8 @@
 
 - :class:`EMA`: a float32 moving average of a model's trainable parameters, updated after every optimizer step with
   one fused ``torch._foreach_lerp_``; it swaps in for evaluation and back out bitwise, and saves to / loads from a
-  safetensors file. :class:`EMACallback` wires it into any ``transformers.Trainer`` (TricksTrainer adds it for
-  ``--ema_decay``).
+  safetensors file. :class:`EMACallback` wires it into any ``transformers.Trainer`` (TricksTrainer's ``--ema_decay``
+  is the EMA trick, ``nlp_tricks/tricks/ema.py``).
 - :func:`average_into` / :func:`average_checkpoints`: the uniform average of several checkpoints of one model
   (stochastic weight averaging over the last saves, "model soups" of one run), loaded strictly through
   :func:`~nlp_tricks.checkpoint.load_state_dict_portable`.
@@ -30,7 +30,6 @@ __all__ = [
     "EMACallback",
     "ema_decay_at",
     "validate_ema_decay",
-    "ema_unsupported_reason",
     "average_into",
     "average_checkpoints",
     "last_complete_checkpoints",
@@ -46,38 +45,14 @@ EMA_STATE_NAME = "ema_state.safetensors"
 AVERAGING_INFO_NAME = "averaging.json"
 
 
-def ema_unsupported_reason(trainer) -> str | None:
-    """Why EMA cannot run under this Trainer's distribution setup, or ``None``.
-
-    FSDP and DeepSpeed ZeRO-3 shard the parameters: each process holds a slice (or a flat shard) of the weights, not
-    the model, so an average of ``model.parameters()`` would average placeholders. Both are refused. DDP, DataParallel
-    and DeepSpeed ZeRO-1/2 keep whole, identical parameters on every process: each process updates its own average
-    from the same weights, with no communication.
-    """
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return (
-            "ema_decay > 0 is not supported with FSDP (fsdp / fsdp_config, or an accelerate config with "
-            "distributed_type: FSDP): FSDP shards the parameters and the EMA needs whole ones. Train with DDP or "
-            "DeepSpeed ZeRO-1/2, or set ema_decay=0"
-        )
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
-            return (
-                "ema_decay > 0 is not supported with DeepSpeed ZeRO stage 3 (zero_optimization.stage = 3): it shards "
-                "the parameters and the EMA needs whole ones. Use ZeRO stage 1 or 2, or set ema_decay=0"
-            )
-    return None
-
-
 class EMACallback(TrainerCallback):
     """Keeps an :class:`EMA` of a Trainer's model: built at ``on_train_begin``, updated at ``on_optimizer_step``.
 
     ``on_optimizer_step`` fires right after ``optimizer.step()`` and before ``zero_grad``, once per optimizer step
     (not per micro-batch under gradient accumulation), on every process. To restore a saved average instead of
-    starting from the weights, set :attr:`pending_state` to an :meth:`EMA.state_dict` (TricksTrainer does, from its
-    checkpoints' state store) or :attr:`resume_from` to a folder holding ``EMA_STATE_NAME`` (an :meth:`EMA.save`
-    file).
+    starting from the weights, set :attr:`resume_from` to a folder holding ``EMA_STATE_NAME`` (an :meth:`EMA.save`
+    file). FSDP and DeepSpeed ZeRO-3 shard the parameters, which the EMA needs whole: use it with DDP, DataParallel
+    or ZeRO-1/2 (TricksTrainer's ``ema_decay`` refuses the others when the trainer is built).
 
     Args:
         decay (`float`): the EMA decay in (0, 1).
@@ -89,16 +64,13 @@ class EMACallback(TrainerCallback):
         self.warmup = warmup
         self.ema: EMA | None = None
         self.resume_from: str | None = None
-        self.pending_state: dict | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # The model holds the weights training starts from (a resumed run: the checkpoint's).
         self.ema = EMA(model, self.decay, warmup=self.warmup)
-        if self.pending_state is not None:
-            self.ema.load_state_dict(self.pending_state)
-        elif self.resume_from is not None:
+        if self.resume_from is not None:
             self.ema.load(os.path.join(self.resume_from, EMA_STATE_NAME))
-        self.pending_state = self.resume_from = None
+        self.resume_from = None
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.ema.update()
@@ -177,9 +149,6 @@ def average_checkpoints(
     Returns:
         ``output_dir``.
     """
-    import transformers
-    from transformers import AutoConfig
-
     paths = [os.fspath(p) for p in paths]
     output_dir = os.fspath(output_dir)
     if not paths:
@@ -200,6 +169,23 @@ def average_checkpoints(
     if not os.path.isfile(os.path.join(config, "config.json")):
         raise FileNotFoundError(f"config={config!r}: no config.json there")
     check_same_model([config, *paths])
+    model = _model_of(config)
+    average_into(model, paths)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    for name in DESCRIPTION_FILES:  # copied beside the averaged model
+        source = os.path.join(config, name)
+        if os.path.isfile(source) and not os.path.exists(os.path.join(output_dir, name)):
+            shutil.copy2(source, os.path.join(output_dir, name))
+    write_averaging_info(output_dir, {"weights": "average", "checkpoints": paths})
+    return output_dir
+
+
+def _model_of(config: str) -> nn.Module:
+    """A model built from the ``config.json`` in folder ``config``, with the class its ``architectures`` names (one
+    that carries a CRF when the config says so), in the config's dtype."""
+    import transformers
+    from transformers import AutoConfig
+
     model_config = AutoConfig.from_pretrained(config)
     architectures = getattr(model_config, "architectures", None) or []
     model_cls = getattr(transformers, architectures[0].removesuffix(_CRF_SUFFIX), None) if architectures else None
@@ -218,14 +204,7 @@ def average_checkpoints(
         dtype = getattr(torch, dtype, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         model.to(dtype)
-    average_into(model, paths)
-    model.save_pretrained(output_dir, safe_serialization=True)
-    for name in DESCRIPTION_FILES:  # copied beside the averaged model
-        source = os.path.join(config, name)
-        if os.path.isfile(source) and not os.path.exists(os.path.join(output_dir, name)):
-            shutil.copy2(source, os.path.join(output_dir, name))
-    write_averaging_info(output_dir, {"weights": "average", "checkpoints": paths})
-    return output_dir
+    return model
 
 
 # What makes two checkpoints of the same shapes different models: averaging them would mix two label sets or tasks.

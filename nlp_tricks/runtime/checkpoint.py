@@ -11,6 +11,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..functional.models import CheckpointMismatchError, unwrap_model
+
 __all__ = [
     "load_state_dict_portable",
     "read_state_dict",
@@ -51,10 +53,6 @@ DESCRIPTION_FILES = (
     "processor_config.json",
 )
 MAX_LISTED = 10
-
-
-class CheckpointMismatchError(RuntimeError):
-    """A checkpoint's keys or shapes do not match the model it is loaded into."""
 
 
 # ---- Reading ---------------------------------------------------------------------------------------------------
@@ -176,17 +174,6 @@ def _wrapper_prefix(keys) -> str:
             break
         prefix += token
     return prefix
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DataParallel / DistributedDataParallel / torch.compile wrappers, in any nesting."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 # ---- Loading ---------------------------------------------------------------------------------------------------

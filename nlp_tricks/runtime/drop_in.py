@@ -9,6 +9,7 @@ import logging
 import torch
 from torch import nn
 
+from ..functional.models import unwrap_model
 from ..functional.outputs import output_loss
 from . import upstream as _upstream
 
@@ -46,6 +47,16 @@ class DropInLosses:
                 "reset them to their defaults or drop compute_loss_func (override compute_tricks_loss to add a loss "
                 "to the tricks' one)"
             )
+
+    def _model_own_loss(self, model, inputs: dict, label_key: str, labels, num_items, reason: str, distilling: bool):
+        """Float labels, a regression or multi-label head: the model's own loss (a mean over its label elements,
+        weighed by this batch's share of the step's items), with a one-time warning naming the tricks it skips."""
+        self._warn_tricks_do_not_apply(model, reason, distilling)
+        outputs = model(**inputs, **{label_key: labels})
+        loss = output_loss(outputs)
+        if num_items is not None:
+            loss = loss * labels.ne(-100).sum() / num_items
+        return loss, outputs
 
     def _compute_loss_with_loss_func(self, model, inputs, num_items_in_batch):
         """Upstream's compute_loss with ``compute_loss_func``: the same call, inputs and loss as plain Trainer."""
@@ -121,7 +132,7 @@ class DropInLosses:
         """
         if labels.is_floating_point():
             return "float labels (regression / multi-label)"
-        unwrapped = self.accelerator.unwrap_model(model)
+        unwrapped = unwrap_model(model)
         config = getattr(unwrapped, "config", None)
         problem_type = getattr(config, "problem_type", None)
         if problem_type in ("regression", "multi_label_classification"):
@@ -137,7 +148,7 @@ class DropInLosses:
     def _warn_tricks_do_not_apply(self, model: nn.Module, reason: str, distilling: bool = False) -> None:
         tricks = self._loss_tricks_in_use() + (["distillation (teacher_logits)"] if distilling else [])
         if tricks:
-            name = type(self.accelerator.unwrap_model(model)).__name__
+            name = type(unwrap_model(model)).__name__
             self._warn_once(f"{', '.join(tricks)} cannot apply to {name} with {reason}: it trains on its own loss")
 
     def _warn_once(self, message: str) -> None:

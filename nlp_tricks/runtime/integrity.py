@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import zlib
 
@@ -26,7 +27,9 @@ __all__ = [
     "NoSpaceLeftError",
     "checkpoint_written",
     "file_crc32",
+    "final_model_written",
     "is_disk_full",
+    "is_temporary_file",
     "manifest_problem",
     "write_manifest",
 ]
@@ -42,6 +45,14 @@ _CHUNK = 8 << 20
 _crc_cache: dict[tuple, str] = {}
 # What the files resume reads end with: one of them beside the manifest but not in it was written after the save.
 _CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".pt", ".pth", ".bin")
+# safetensors' temporary file (the Rust tempfile crate's default name: ".tmp" and 6 letters or digits).
+_TEMPORARY = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+_CRC32 = re.compile(r"[0-9a-f]{8}")
+# What a changed checkpoint's refusal adds: a change the user made on purpose has a way out.
+_WAY_OUT = (
+    f"; if the change was yours (the weights re-sharded or converted), delete the folder's {MANIFEST_NAME} to resume "
+    "from it on the header checks alone"
+)
 
 
 class NoSpaceLeftError(OSError):
@@ -74,22 +85,36 @@ def file_crc32(path: str | os.PathLike) -> str:
     return digest
 
 
-def _files(folder: str) -> list[str]:
-    """Every regular file under ``folder`` (DeepSpeed writes a sub-folder), relative, sorted; not the manifest."""
+def is_temporary_file(name: str) -> bool:
+    """Whether ``name`` is the temporary file of a save that a crash interrupted: safetensors writes each file to
+    ``.tmp`` + 6 random characters beside it and renames it when complete (a ``kill -9`` leaves it, as large as the
+    weights written so far); the manifest's own is ``.checkpoint_manifest.json.tmp``."""
+    return bool(_TEMPORARY.fullmatch(name)) or name.startswith(f".{MANIFEST_NAME}")
+
+
+def _files(folder: str, *, temporary: bool = False) -> list[str]:
+    """Every regular file under ``folder`` (DeepSpeed writes a sub-folder), relative, sorted; not the manifest, and
+    not the temporary files of interrupted saves unless ``temporary``."""
     found = []
     for root, dirs, names in os.walk(folder):
         dirs.sort()
         for name in names:
             relative = os.path.relpath(os.path.join(root, name), folder)
-            if relative != MANIFEST_NAME and not name.startswith(f".{MANIFEST_NAME}"):
+            if relative != MANIFEST_NAME and temporary == is_temporary_file(name):
                 found.append(relative)
     return sorted(found)
 
 
 def write_manifest(folder: str | os.PathLike) -> dict:
     """Record the size and CRC-32 of every file in a complete checkpoint ``folder`` in ``checkpoint_manifest.json``
-    (written to a temporary file, flushed to disk, then renamed: it is there whole or not at all). Returns it."""
+    (written to a temporary file, flushed to disk, then renamed: it is there whole or not at all). Returns it.
+
+    The temporary files an interrupted save left in the folder (a run killed while writing this checkpoint, which
+    its resumed run writes again) are removed first: no save of this one is still writing, so none is needed."""
     folder = os.fspath(folder)
+    for relative in _files(folder, temporary=True):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, relative))
     files = {}
     for relative in _files(folder):
         path = os.path.join(folder, relative)
@@ -114,18 +139,45 @@ def manifest_problem(folder: str | os.PathLike) -> str | None:
     another CRC-32, or a checkpoint file beside them that it does not list), or ``None`` when all match or there is
     no manifest (a checkpoint written by plain ``Trainer`` or before manifests: the header checks alone apply).
 
-    Sizes are compared first (no reading); then every file is read once.
+    A manifest that is not one this module writes (unparsable, another format, a path outside the folder, a size or
+    checksum of the wrong kind: a damaged or forged file) is a problem too, so resume falls back past it like past
+    any other damage. Sizes are compared first (no reading); then every file is read once. A difference ends with
+    the way out for a change made on purpose (re-sharded weights): deleting the manifest.
     """
     folder = os.fspath(folder)
     path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isfile(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            files = json.load(f)["files"]
-        entries = [(name, int(entry["size"]), str(entry["crc32"])) for name, entry in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        entries = _read_manifest(path)
+    except (OSError, ValueError) as error:
         return f"{MANIFEST_NAME} is unreadable ({error})"
+    problem = _differences(folder, entries)
+    return None if problem is None else problem + _WAY_OUT
+
+
+def _read_manifest(path: str) -> list[tuple[str, int, str]]:
+    """``(name, size, crc32)`` of every file a manifest lists, checked to be what :func:`write_manifest` writes;
+    ``ValueError`` saying what is not."""
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError('not an object with a "files" object')
+    if manifest.get("format") != 1 or manifest.get("algorithm") != "crc32":
+        raise ValueError(f"format {manifest.get('format')!r} / {manifest.get('algorithm')!r}, not 1 / 'crc32'")
+    entries = []
+    for name, entry in manifest["files"].items():
+        parts = name.replace("\\", "/").split("/")
+        if os.path.isabs(name) or "\0" in name or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"{name!r} is not a path inside the folder")
+        size, crc = (entry.get("size"), entry.get("crc32")) if isinstance(entry, dict) else (None, None)
+        if type(size) is not int or size < 0 or not (isinstance(crc, str) and _CRC32.fullmatch(crc)):
+            raise ValueError(f"the entry of {name} is not a size and a CRC-32 ({entry!r})")
+        entries.append((name, size, crc))
+    return entries
+
+
+def _differences(folder: str, entries: list[tuple[str, int, str]]) -> str | None:
     for name, size, _ in entries:
         file = os.path.join(folder, name)
         if not os.path.isfile(file):
@@ -254,3 +306,56 @@ def checkpoint_written(trainer, trial=None):
                 f"no space left on device while writing {name}/{MANIFEST_NAME} ({_free_space(run_dir)} free); {name} "
                 "is complete without its checksums: free some space and resume",
             ) from error
+
+
+@contextlib.contextmanager
+def final_model_written(trainer, output_dir: str | os.PathLike):
+    """Around the final model's save (``save_model`` outside a ``checkpoint-N``): a full disk during it removes the
+    files this save had written into ``output_dir`` (nothing there then looks like a saved model) and raises
+    :class:`NoSpaceLeftError` with one line naming the file. The checkpoints are not touched. Other errors pass
+    unchanged."""
+    folder = os.fspath(output_dir)
+    before = _top_level_files(folder)
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error, folder):
+            raise
+        after = _top_level_files(folder)
+        changed = sorted((n for n in after if before.get(n) != after[n]), key=lambda n: after[n][2])
+        weights = "adapter_model.safetensors" if hasattr(trainer.model, "peft_config") else "model.safetensors"
+        written = _failed_file(error, weights) or (changed[-1] if changed else "?")
+        if trainer.args.should_save:
+            for name in changed:  # created or rewritten by this save
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
+        raise NoSpaceLeftError(
+            f"no space left on device while writing the final model, {os.path.join(folder, written)} "
+            f"({_free_space(folder)} free); the files of that save were removed and the checkpoints are intact: "
+            "free some space and rerun with --resume_from_checkpoint true",
+        ) from error
+
+
+def _failed_file(error: BaseException, weights: str) -> str | None:
+    """The file ``error`` names, or the weights for an error of safetensors (which removes the file it could not
+    finish, so that it is not among the changed files)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "filename", None):
+            return os.path.basename(os.fspath(error.filename))
+        if "safetensor" in type(error).__name__.lower() or "storagefull" in str(error).lower():
+            return weights
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _top_level_files(folder: str) -> dict[str, tuple]:
+    """The files directly in ``folder`` (not its ``checkpoint-N`` folders), each with what a rewrite changes."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if entry.is_file(follow_symlinks=False):
+                stat = entry.stat(follow_symlinks=False)
+                found[entry.name] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return found

@@ -9,7 +9,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.chunked_loss import HeadInputCapture, is_plain_linear
-from ..tricks.loss_type import LossFunction
 
 __all__ = ["CausalLMLossPath"]
 
@@ -34,13 +33,14 @@ class CausalLMLossPath:
 
         - ``"model"``: every loss trick off: the model gets its labels and computes its own loss, as under plain
           ``Trainer`` (fused kernels such as Liger's, ``logits_to_keep``, a model's own loss code then apply).
-        - ``"chunked"``: a loss trick on (``loss_type``, ``label_smoothing_factor``, ``temperature``,
-          ``class_weights``), or ``chunked_lm_loss``: in training forwards (and evaluation forwards whose logits are
-          not returned) the loss is computed from the last hidden state through the LM head in chunks of tokens,
-          skipping ignored positions, never holding the full logits; other evaluation forwards take it on the
-          logits.
+        - ``"chunked"``: a loss trick on (a trick with ``changes_loss`` whose ``summary()`` is not empty:
+          ``loss_type``, ``label_smoothing_factor``, ``temperature``, ``class_weights``), or ``chunked_lm_loss``: in
+          training forwards (and evaluation forwards whose logits are not returned) the loss is computed from the last
+          hidden state through the LM head in chunks of tokens, skipping ignored positions, never holding the full
+          logits; other evaluation forwards take it on the logits.
         - ``"logits"``: a trick that needs the full logits (:attr:`~nlp_tricks.Trick.needs_logits`: R-Drop, SMART,
-          scheduled sampling, a trick of yours with a loss hook), a ``compute_loss_func``, an
+          scheduled sampling, a trick of yours with a loss hook, a ``loss_type`` whose function takes no
+          ``LMHeadLogits``), a ``compute_loss_func``, an
           override of a full-logits extension point (``compute_tricks_loss``, ``forward_for_loss``,
           ``head_samples``, ``labels_for_logits``), DeepSpeed / FSDP (the head's weight is sharded outside the
           forward), a head that is not a plain ``nn.Linear``, or a model whose logits are not the head's output as
@@ -51,7 +51,6 @@ class CausalLMLossPath:
         return self._lm_loss_path
 
     def _decide_lm_loss_path(self) -> str:
-        loss = self.get_trick(LossFunction)
         chunked = getattr(self.tricks_config, "chunked_lm_loss", False)
         overridden = [
             name for name in _LOGITS_METHODS if getattr(type(self), name) is not getattr(_pipeline_class(), name)
@@ -63,7 +62,7 @@ class CausalLMLossPath:
             or any(t.needs_logits for t in self.tricks)
         ):
             path = "logits"
-        elif (loss is None or loss.is_models_own_loss()) and self._forward_accepts_loss_kwargs and not chunked:
+        elif not self._loss_tricks_in_use() and self._forward_accepts_loss_kwargs and not chunked:
             path = "model"
         elif self.is_deepspeed_enabled or self.is_fsdp_enabled or self._lm_head(self.model) is None:
             path = "logits"

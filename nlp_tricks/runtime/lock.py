@@ -28,11 +28,13 @@ import torch
 
 __all__ = [
     "LOCK_NAME",
+    "NotDistributedError",
     "OutputDirBusyError",
     "OutputDirLock",
     "hold_output_dir",
     "holds_output_dir",
     "lock_output_dir",
+    "not_distributed_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,30 @@ _SECRET_FLAGS = ("token", "password", "secret", "api_key")
 
 class OutputDirBusyError(RuntimeError):
     """Another process holds the lock of the output folder; the message is one line naming it."""
+
+
+class NotDistributedError(RuntimeError):
+    """The processes were launched as one job (a process group of several is initialized) but the
+    ``TrainingArguments`` run each of them alone; the message is one line saying what to pass."""
+
+
+def not_distributed_problem(args) -> str | None:
+    """Why the processes of a launched job would each train alone, or ``None``: a process group of several is
+    initialized, but ``args`` (``TrainingArguments``) are not distributed. ``accelerate launch --multi_gpu`` on a
+    machine without GPUs does that unless ``use_cpu=True``: transformers then sets up every process as a single one
+    (``ParallelMode.NOT_PARALLEL``, world size 1), so each trains on all the data and writes into the same folder."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    processes = torch.distributed.get_world_size()
+    if processes <= 1 or args.world_size > 1:
+        return None
+    mode = getattr(args.parallel_mode, "value", args.parallel_mode)
+    return (
+        f"rank {torch.distributed.get_rank()} of a launched job of {processes} processes: the process group is "
+        f"initialized, but the TrainingArguments are not distributed (parallel mode {mode!r}, world size "
+        f"{args.world_size}), so each process would train alone on all the data; without GPUs pass use_cpu=True "
+        "(recipes: --use_cpu true)"
+    )
 
 
 class OutputDirLock:
@@ -162,8 +188,13 @@ def hold_output_dir(trainer, output_dir: str | os.PathLike | None = None):
     0) for a trainer's run; every process raises the same :class:`OutputDirBusyError` if another run holds it.
 
     Only the main process takes the lock (under DDP the others share its run); it tells the others the outcome in
-    one all-reduce, so none of them waits on a lock or trains on without it.
+    one all-reduce, so none of them waits on a lock or trains on without it. The processes of a launched job whose
+    arguments are not distributed (each would be a main process of its own) raise :class:`NotDistributedError` on
+    every process first, before any of them takes the lock.
     """
+    problem = not_distributed_problem(trainer.args)
+    if problem is not None:
+        raise NotDistributedError(problem)
     folder = os.fspath(trainer.args.output_dir if output_dir is None else output_dir)
     lock = error = None
     if trainer.args.process_index == 0:

@@ -26,9 +26,9 @@ from collections.abc import Iterable, Mapping
 
 from torch import nn
 from transformers.trainer_pt_utils import get_parameter_names
-from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import layer_ids
+from ..functional.models import unwrap_model
 
 __all__ = [
     "build_param_groups",
@@ -120,74 +120,84 @@ def build_param_groups(
     if head_lr_scale <= 0:
         raise ValueError(f"head_lr_scale must be > 0, got {head_lr_scale}")
     decay_names = decay_parameter_names(model, no_decay)
-    inner = unwrap_peft_model(model)  # PEFT: the transformers model inside, whose base_model separates body from head
-    inner_ids = {id(p) for p in inner.parameters()}
-    base = getattr(inner, "base_model", inner)
-    head_ids = head_parameter_ids(inner)
-    if head_lr_scale != 1.0 and not head_ids:
-        logger.warning(
-            f"head_lr_scale={head_lr_scale} cannot apply to {type(inner).__name__}: it has no head parameters apart "
-            "from its body (no parameter outside model.base_model, and no output projection untied from the input "
-            "embeddings); every parameter trains at the body's learning rate"
-        )
-
-    base_names = {id(p): n for n, p in base.named_parameters()}
-    ids, num_layers = layer_ids(base) if layer_decay != 1.0 else ({}, 0)
-    if layer_decay != 1.0 and num_layers == 0:
-        raise ValueError(
-            f"layer_decay={layer_decay} needs numbered layer stacks (encoder.layer.N, layers.N, block.N, ...), "
-            f"but none were found in {type(model).__name__}; use layer_decay=1.0 for this model"
-        )
-
-    own_scale = {}
-    for module_name, scale in (module_lr_scales or {}).items():
-        if scale <= 0:
-            raise ValueError(f"module_lr_scales[{module_name!r}] must be > 0, got {scale}")
-        own_scale.update({id(p): (module_name, scale) for p in model.get_submodule(module_name).parameters()})
-
-    patterns = []
-    for pattern, factor in (lr_scales or {}).items():
-        if not factor > 0:
-            raise ValueError(f"lr_scales[{pattern!r}] must be > 0, got {factor}")
-        patterns.append((re.compile(pattern), pattern, float(factor)))
-
+    rates = _GroupRates(model, head_lr_scale, layer_decay, module_lr_scales, lr_scales, param_optimizers)
     groups: dict[tuple[str, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if id(param) in own_scale:
-            label, scale = own_scale[id(param)]
-        elif id(param) not in inner_ids:  # added by PEFT around the model (prompt encoders)
-            label, scale = "peft", 1.0
-        elif id(param) in head_ids:
-            label, scale = "head", head_lr_scale
-        elif layer_decay != 1.0:
-            layer = ids[base_names[id(param)]]
-            label = "embeddings" if layer == 0 else "top" if layer == num_layers + 1 else f"layer_{layer - 1}"
-            scale = layer_decay ** (num_layers + 1 - layer)
-        else:
-            label, scale = "body", 1.0
-        for regex, pattern, factor in patterns:
-            if id(param) not in own_scale and regex.search(name):
-                label, scale = f"{label}*{pattern}", scale * factor
         wd = weight_decay if name in decay_names else 0.0
-        optimizer = (param_optimizers or {}).get(name)
-        label = f"{label}:{optimizer}" if optimizer else label
-        group = groups.setdefault(
-            (label, wd),
-            {
-                "params": [],
-                "names": [],
-                "lr": learning_rate * scale,
-                "weight_decay": wd,
-                "lr_scale": scale,
-                "label": label,
-                **({"optimizer": optimizer} if optimizer else {}),
-            },
-        )
+        settings = rates.settings(name, param, learning_rate, wd)
+        group = groups.setdefault((settings["label"], wd), {"params": [], "names": [], **settings})
         group["params"].append(param)
         group["names"].append(name)
     return list(groups.values())
+
+
+class _GroupRates:
+    """The group label and learning-rate factor of each parameter of one model under :func:`build_param_groups`'
+    rules (its arguments of the same names)."""
+
+    def __init__(self, model: nn.Module, head_lr_scale, layer_decay, module_lr_scales, lr_scales, param_optimizers):
+        # PEFT: the transformers model inside, whose base_model separates the head.
+        inner = unwrap_model(model, peft=True)
+        self.inner_ids = {id(p) for p in inner.parameters()}
+        base = getattr(inner, "base_model", inner)
+        self.head_ids = head_parameter_ids(inner)
+        self.head_lr_scale, self.layer_decay = head_lr_scale, layer_decay
+        if head_lr_scale != 1.0 and not self.head_ids:
+            logger.warning(
+                f"head_lr_scale={head_lr_scale} cannot apply to {type(inner).__name__}: it has no head parameters "
+                "apart from its body (no parameter outside model.base_model, and no output projection untied from "
+                "the input embeddings); every parameter trains at the body's learning rate"
+            )
+        self.base_names = {id(p): n for n, p in base.named_parameters()}
+        self.layers, self.num_layers = layer_ids(base) if layer_decay != 1.0 else ({}, 0)
+        if layer_decay != 1.0 and self.num_layers == 0:
+            raise ValueError(
+                f"layer_decay={layer_decay} needs numbered layer stacks (encoder.layer.N, layers.N, block.N, ...), "
+                f"but none were found in {type(model).__name__}; use layer_decay=1.0 for this model"
+            )
+        self.own_scale = {}
+        for module_name, scale in (module_lr_scales or {}).items():
+            if scale <= 0:
+                raise ValueError(f"module_lr_scales[{module_name!r}] must be > 0, got {scale}")
+            self.own_scale.update({id(p): (module_name, scale) for p in model.get_submodule(module_name).parameters()})
+        self.patterns = []
+        for pattern, factor in (lr_scales or {}).items():
+            if not factor > 0:
+                raise ValueError(f"lr_scales[{pattern!r}] must be > 0, got {factor}")
+            self.patterns.append((re.compile(pattern), pattern, float(factor)))
+        self.optimizers = dict(param_optimizers or {})
+
+    def settings(self, name: str, param: nn.Parameter, learning_rate: float, weight_decay: float) -> dict:
+        """The settings of ``param``'s group: ``lr``, ``weight_decay``, ``lr_scale``, ``label`` and, for a parameter
+        another optimizer updates (``param_optimizers``), ``optimizer`` (its own groups, labelled
+        ``<label>:<optimizer>``)."""
+        label, scale = self.of(name, param)
+        settings = {"lr": learning_rate * scale, "weight_decay": weight_decay, "lr_scale": scale, "label": label}
+        optimizer = self.optimizers.get(name)
+        if optimizer:
+            settings.update(label=f"{label}:{optimizer}", optimizer=optimizer)
+        return settings
+
+    def of(self, name: str, param: nn.Parameter) -> tuple[str, float]:
+        """The label of ``param``'s group and its learning-rate factor."""
+        if id(param) in self.own_scale:
+            return self.own_scale[id(param)]
+        if id(param) not in self.inner_ids:  # added by PEFT around the model (prompt encoders)
+            label, scale = "peft", 1.0
+        elif id(param) in self.head_ids:
+            label, scale = "head", self.head_lr_scale
+        elif self.layer_decay != 1.0:
+            layer, top = self.layers[self.base_names[id(param)]], self.num_layers + 1
+            label = "embeddings" if layer == 0 else "top" if layer == top else f"layer_{layer - 1}"
+            scale = self.layer_decay ** (top - layer)
+        else:
+            label, scale = "body", 1.0
+        for regex, pattern, factor in self.patterns:
+            if regex.search(name):
+                label, scale = f"{label}*{pattern}", scale * factor
+        return label, scale
 
 
 def upstream_param_groups(trainer, model: nn.Module) -> list[dict]:

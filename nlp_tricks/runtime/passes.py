@@ -31,8 +31,8 @@ import functools
 import torch
 from accelerate.utils.memory import clear_device_cache
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 
+from ..functional.models import unwrap_model
 from ..functional.neftune import NEFTuneNoise
 from . import upstream
 
@@ -81,7 +81,7 @@ class MultiPassStep:
         alpha = self.trainer.shared_neftune_alpha
         if alpha is None:
             return None
-        embeddings = unwrap_peft_model(self.trainer.accelerator.unwrap_model(self.model)).get_input_embeddings()
+        embeddings = unwrap_model(self.model, peft=True).get_input_embeddings()
         return NEFTuneNoise(embeddings, alpha)
 
     def __enter__(self) -> MultiPassStep:

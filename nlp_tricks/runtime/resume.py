@@ -13,12 +13,24 @@ from collections.abc import Sequence
 from .checkpoint import ADAPTER_FILES, TORCH_SUFFIXES, WEIGHTS_FILES, _first
 from .integrity import manifest_problem
 
-__all__ = ["checkpoint_problem", "get_last_complete_checkpoint", "optimizer_groups_problem"]
+__all__ = [
+    "CheckpointResumeError",
+    "checkpoint_problem",
+    "checkpoint_to_resume",
+    "get_last_complete_checkpoint",
+    "optimizer_groups_problem",
+    "weight_file_problem",
+]
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointResumeError(ValueError):
+    """The checkpoint to resume from cannot be used (named and incomplete, none complete, optimizer groups of other
+    settings); ``str()`` is one line naming it and what is wrong."""
 
 
 # ---- Checkpoint folders ----------------------------------------------------------------------------------------
@@ -52,16 +64,7 @@ def checkpoint_problem(folder: str | os.PathLike, required: Sequence[str] = ()) 
             return f"{name} is missing (this run needs it to resume)"
     for name in sorted(names):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        if name.endswith(".json"):
-            problem = _json_problem(path)
-        elif name.endswith(".safetensors"):
-            problem = _safetensors_problem(path)
-        elif name.endswith(TORCH_SUFFIXES):
-            problem = _torch_zip_problem(path)
-        else:
-            continue
+        problem = weight_file_problem(path) if os.path.isfile(path) else None
         if problem:
             return f"{name} is {problem}"
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -102,6 +105,43 @@ def get_last_complete_checkpoint(output_dir: str | os.PathLike, required: Sequen
     return None
 
 
+def weight_file_problem(path: str | os.PathLike) -> str | None:
+    """What is wrong with one file of a checkpoint or model folder, from its header alone (milliseconds at any
+    size): a ``.safetensors`` file shorter than its header promises, a torch file (``.pt`` / ``.bin`` / ``.pth``)
+    whose zip directory is gone or whose members run past its end, a ``.json`` file that does not parse; ``None``
+    when it looks whole or is of another kind."""
+    path = os.fspath(path)
+    if path.endswith(".json"):
+        return _json_problem(path)
+    if path.endswith(".safetensors"):
+        return _safetensors_problem(path)
+    if path.endswith(TORCH_SUFFIXES):
+        return _torch_zip_problem(path)
+    return None
+
+
+def checkpoint_to_resume(
+    resume_from_checkpoint: str | os.PathLike | bool | None,
+    output_dir: str | os.PathLike,
+    required: Sequence[str] = (),
+) -> str | os.PathLike | bool | None:
+    """What ``train(resume_from_checkpoint=...)`` resumes from: ``True`` becomes the newest complete checkpoint of
+    ``output_dir`` (:func:`get_last_complete_checkpoint`), a named one must be complete; else
+    :class:`CheckpointResumeError`. Anything else passes unchanged."""
+    if resume_from_checkpoint is True:
+        newest = get_last_complete_checkpoint(output_dir, required)
+        if newest is None:
+            raise CheckpointResumeError(f"No complete checkpoint found in output directory ({output_dir})")
+        return newest
+    if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+        problem = checkpoint_problem(resume_from_checkpoint, required)
+        if problem is not None:
+            raise CheckpointResumeError(
+                f"resume_from_checkpoint={os.fspath(resume_from_checkpoint)!r} is incomplete: {problem}"
+            )
+    return resume_from_checkpoint
+
+
 def _json_problem(path: str) -> str | None:
     try:
         with open(path) as f:
@@ -119,9 +159,9 @@ def _safetensors_problem(path: str) -> str | None:
             if 8 + header_len > size:
                 return f"truncated ({size} bytes, shorter than its {header_len}-byte header)"
             header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error) as error:
-        return f"unreadable ({error})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError, AttributeError) as error:
+        return f"unreadable ({type(error).__name__}: {error})"
     if 8 + header_len + end != size:
         return f"truncated ({size} bytes, its header promises {8 + header_len + end})"
     return None

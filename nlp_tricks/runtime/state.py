@@ -171,30 +171,24 @@ class TrickStateView(dict):
             self[key] = value
 
 
-def restore_states(checkpoint: str, holders: dict) -> dict:
+def restore_states(checkpoint: str, holders: dict, legacy_holders: dict | None = None) -> dict:
     """Load each state holder's entry of ``checkpoint``'s store into it (``holder.load_state_dict``) and return the
-    trainer's own numbers. A checkpoint written before the store: each holder's ``legacy_state(legacy)`` if it has
-    one, else its ``logged_state`` counters as ``trainer_state.json`` kept them."""
+    trainer's own numbers. A checkpoint written before the store: each of ``legacy_holders`` (the built-in tricks,
+    :class:`~nlp_tricks.tricks.base.BuiltInTrick`) restores from its ``legacy_state(legacy)``; no other holder
+    existed then."""
     states = checkpoint_trick_states(checkpoint)
     legacy = legacy_state(checkpoint) if states is None or TRAINER_ENTRY not in states else None
     states = states or {}
     own = dict((states.get(TRAINER_ENTRY) or {}).get("trick_state") or (legacy or {}).get("trick_state") or {})
+    legacy_holders = legacy_holders or {}
     for name, holder in holders.items():
         state = states.get(name)
-        if state is None and legacy is not None:
-            state = _legacy_state_of(holder, legacy)
+        if state is None and legacy is not None and name in legacy_holders:
+            state = legacy_holders[name].legacy_state(legacy)
         if state is not None:
             holder.load_state_dict(state)
     if legacy is not None:  # the trainer's own numbers are the counters no trick claims
-        for holder in holders.values():
-            for key in getattr(holder, "logged_state", ()):
+        for holder in legacy_holders.values():
+            for key in holder.logged_state:
                 own.pop(key, None)
     return own
-
-
-def _legacy_state_of(holder, legacy: dict) -> dict | None:
-    if hasattr(holder, "legacy_state"):
-        return holder.legacy_state(legacy)
-    saved = legacy["trick_state"]
-    counters = {key: saved[key] for key in getattr(holder, "logged_state", ()) if key in saved}
-    return counters or None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from transformers import Trainer
 from transformers.trainer_optimizer import is_optimizer_factory
 
-from .versions import CRF_LOADING_SINCE, require_transformers
+from ..functional.versions import CRF_LOADING_SINCE, require_transformers
 
 __all__ = [
     "TRAINER_METHODS",

@@ -182,25 +182,31 @@ def scheduled_sampling_forward(
             f"decoder_input_ids {tuple(decoder_input_ids.shape)} and labels {tuple(labels.shape)} must have the "
             "same shape (position t's input is the token before label t)"
         )
-
     if draw is None and ratio < 1.0:
-        mask = replacement_mask(labels, ratio, generator=generator)
-        with torch.no_grad():
-            # Detached view: pass 1 must not keep activations, and BaseModelOutput fields are read by position.
-            detached = BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state.detach())
-            logits = output_logits(
-                model(encoder_outputs=detached, decoder_input_ids=decoder_input_ids, **decoder_kwargs)
-            )
-            draw = draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
-            del logits
-    if draw is None:
-        # Nothing will be replaced (ratio 1): pass 1 was skipped, the gold input goes in as it is.
-        mixed = {"decoder_input_ids": decoder_input_ids}
-    else:
-        embedding = _decoder_input_embeddings(model) if draw.mode == "soft" else None
-        mixed = {f"decoder_{k}": v for k, v in apply_draw(decoder_input_ids, draw, embedding=embedding).items()}
-    outputs = forward(encoder_outputs=encoder_outputs, **mixed, **decoder_kwargs)
+        pass1 = {"encoder_outputs": encoder_outputs, "decoder_input_ids": decoder_input_ids, **decoder_kwargs}
+        draw = _decoder_draw(model, pass1, labels, ratio, mode, temperature, generator)
+    outputs = forward(encoder_outputs=encoder_outputs, **_mixed(model, decoder_input_ids, draw), **decoder_kwargs)
     return (outputs, draw) if return_draw else outputs
+
+
+def _decoder_draw(model, pass1: dict, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw:
+    """Which decoder inputs pass 2 replaces, and by what: decoder pass 1 teacher-forced under ``no_grad`` on the
+    encoder outputs (detached: pass 1 keeps no activations), then the draw."""
+    mask = replacement_mask(labels, ratio, generator=generator)
+    # A new BaseModelOutput: its fields are read by position.
+    detached = BaseModelOutput(last_hidden_state=pass1["encoder_outputs"].last_hidden_state.detach())
+    with torch.no_grad():
+        logits = output_logits(model(**{**pass1, "encoder_outputs": detached}))
+        return draw_predictions(logits, mask, mode=mode, temperature=temperature, generator=generator)
+
+
+def _mixed(model: nn.Module, decoder_input_ids: torch.Tensor, draw: ScheduledSamplingDraw | None) -> dict:
+    """Pass 2's decoder input: the gold one when nothing is replaced (ratio 1: pass 1 was skipped), else the draw
+    applied (ids, or embeddings for ``"soft"``)."""
+    if draw is None:
+        return {"decoder_input_ids": decoder_input_ids}
+    embedding = _decoder_input_embeddings(model) if draw.mode == "soft" else None
+    return {f"decoder_{k}": v for k, v in apply_draw(decoder_input_ids, draw, embedding=embedding).items()}
 
 
 def _decoder_input_embeddings(model: nn.Module) -> nn.Module:

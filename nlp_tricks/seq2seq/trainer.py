@@ -21,12 +21,12 @@ class Seq2SeqTricksTrainer(TricksTrainer, Seq2SeqTrainer):
       ``loss_type``, exact gradient accumulation) is taken on a second decoder pass. The ratio is read at
       ``state.global_step``, so it resumes with a checkpoint, and is logged as ``teacher_forcing_ratio``. Evaluation
       is teacher-forced as usual. With FGM / PGD every pass of a micro-batch reuses the clean pass's draw
-      (:class:`~nlp_tricks.tricks.scheduled_sampling.ScheduledSampling`).
+      (:class:`~nlp_tricks.tricks.scheduled_sampling.ScheduledSamplingTrick`).
     - Weight tying (``--tie_encoder_decoder embeddings|all``): applied to the model when the trainer is built (or by
       ``model_init``); a model reloaded from a tied checkpoint (its config records the scope) is tied again even with
       ``tie_encoder_decoder='none'``. The first training log holds ``unique_parameters`` (and
       ``unique_parameters_untied`` when ties were applied)
-      (:class:`~nlp_tricks.tricks.tie_encoder_decoder.TieEncoderDecoder`).
+      (:class:`~nlp_tricks.tricks.tie_encoder_decoder.TieEncoderDecoderTrick`).
     """
 
     def __init__(self, model=None, args: Seq2SeqTricksArguments | None = None, *positional, **kwargs):

@@ -1,77 +1,83 @@
 """The built-in tricks, one file each, named after its flag, with its argument dataclass; :data:`BUILT_IN_TRICKS` is
 the registry.
 
-Adding a built-in trick: a file here holding its argument dataclass (every field with ``metadata={"help": ...}``) and
-a :class:`~nlp_tricks.Trick` with ``arguments`` (that dataclass), ``order``, ``from_args(args)`` (the trick, or
-``None`` when its fields leave it off) and ``validate(args)`` (raises naming the field); its math in
-:mod:`nlp_tricks.functional`; and one line in :data:`BUILT_IN_TRICKS`. :class:`~nlp_tricks.TricksArguments` and
-:class:`~nlp_tricks.TricksConfig` are composed from the registry's dataclasses. A check that involves two tricks goes
-in :func:`validate_arguments`.
+Adding a built-in trick: a file here, named after its flag, holding its argument dataclass (every field with
+``metadata={"help": ...}``) and a :class:`~nlp_tricks.tricks.base.BuiltInTrick` named ``<Flag>Trick`` with
+``arguments`` (that dataclass), ``order``, ``enabled(args)`` (whether its fields switch it on) and ``validate(args)``
+(raises naming the field); its math in :mod:`nlp_tricks.functional`; and one line in :data:`BUILT_IN_TRICKS`, which
+is all :class:`~nlp_tricks.TricksConfig` (and so :class:`~nlp_tricks.TricksArguments`, every recipe's flags) is
+composed from. A check that involves two tricks goes in :func:`validate_arguments`.
 """
 
 from __future__ import annotations
 
-from ..trick import LossBatch, Trick
-from .adversarial import Adversarial
-from .crf import CRFHead
-from .distillation import Distillation
-from .ema import ExponentialMovingAverage
-from .freeze_layers import LayerFreezing
-from .head_dropout import MultiSampleDropoutHead
-from .layer_decay import LayerwiseLearningRates
-from .lookahead import Lookahead
-from .loraplus import LoraPlus
-from .loss_type import LossFunction
-from .muon import Muon
-from .pooling import PoolingHead
-from .rdrop import RDrop
-from .reinit_layers import ReinitLayers
-from .sam import SharpnessAwareMinimization
-from .scheduled_sampling import ScheduledSampling
-from .smart import SmoothnessRegularization
+from ..runtime.saved_weights import tricks_section
+from ..trick import STEPS_INSIDE_BACKWARD, LossBatch, Trick, capability_problem
+from .adversarial import AdversarialTrick
+from .base import BuiltInTrick
+from .crf import CRFTrick
+from .distillation import Distillation, DistillationTrick
+from .ema import EMATrick
+from .freeze_layers import FreezeLayersTrick
+from .head_dropout import HeadDropoutTrick
+from .layer_decay import LayerDecayTrick
+from .lookahead import LookaheadTrick
+from .loraplus import LoraPlusTrick
+from .loss_type import LossFunction, LossTypeTrick
+from .muon import MuonTrick
+from .pooling import PoolingTrick
+from .rdrop import RDropTrick
+from .reinit_layers import ReinitLayersTrick
+from .sam import SAMTrick
+from .scheduled_sampling import ScheduledSamplingTrick
+from .smart import SMARTTrick
 from .span_head import SpanHeadTrick
-from .swa import CheckpointAveraging
-from .tie_encoder_decoder import TieEncoderDecoder
+from .swa import SWATrick
+from .tie_encoder_decoder import TieEncoderDecoderTrick
 
 __all__ = [
     "Trick",
+    "BuiltInTrick",
     "LossBatch",
     "BUILT_IN_TRICKS",
     "built_in_tricks",
     "validate_arguments",
     "trick_arguments",
     "tricks_section",
+    "Distillation",
+    "LossFunction",
 ]
 
 # The registry: every built-in trick class. The order they run in is each class's `order` (docs/tricks.md has the
-# table); this tuple's order only breaks ties.
-BUILT_IN_TRICKS = (
-    TieEncoderDecoder,
-    PoolingHead,
-    ReinitLayers,
-    ScheduledSampling,
-    CRFHead,
+# table); this tuple's order breaks ties and is the order of their fields in TricksConfig (and in --help).
+BUILT_IN_TRICKS: tuple[type[BuiltInTrick], ...] = (
+    TieEncoderDecoderTrick,
+    PoolingTrick,
+    ReinitLayersTrick,
+    ScheduledSamplingTrick,
+    CRFTrick,
     SpanHeadTrick,
-    MultiSampleDropoutHead,
-    RDrop,
-    SmoothnessRegularization,
-    Distillation,
-    LossFunction,
-    Adversarial,
-    SharpnessAwareMinimization,
-    Lookahead,
-    ExponentialMovingAverage,
-    CheckpointAveraging,
-    LayerFreezing,
-    LayerwiseLearningRates,
-    LoraPlus,
-    Muon,
+    HeadDropoutTrick,
+    RDropTrick,
+    SMARTTrick,
+    DistillationTrick,
+    LossTypeTrick,
+    AdversarialTrick,
+    SAMTrick,
+    LookaheadTrick,
+    EMATrick,
+    SWATrick,
+    FreezeLayersTrick,
+    LayerDecayTrick,
+    LoraPlusTrick,
+    MuonTrick,
 )
 
 
 def trick_arguments() -> tuple[type, ...]:
-    """The argument dataclasses of the built-in tricks that have fields of their own (tying's are seq2seq's)."""
-    return tuple(cls.arguments for cls in BUILT_IN_TRICKS if cls is not TieEncoderDecoder)
+    """The argument dataclasses TricksConfig is composed of, in the registry's order (tying's fields are
+    Seq2SeqTricksArguments')."""
+    return tuple(cls.arguments for cls in BUILT_IN_TRICKS if cls.in_tricks_config)
 
 
 def built_in_tricks(args, user_tricks=()) -> list[Trick]:
@@ -81,31 +87,17 @@ def built_in_tricks(args, user_tricks=()) -> list[Trick]:
     return sorted([*tricks, *user_tricks], key=lambda trick: trick.order)
 
 
-def tricks_section(tricks, saved_weights: dict | None) -> str:
-    """The model card's section on a run's tricks and, when a trick chose them, the saved weights."""
-    lines = ["", "## Tricks (nlp_tricks)", "", "Trained with `nlp_tricks.TricksTrainer` and these tricks:", ""]
-    lines += [f"- `{setting}`" for trick in tricks for setting in trick.summary()]
-    if saved_weights is not None:
-        what = {"ema": "the exponential moving average of the weights", "swa": "the average of checkpoints"}
-        details = ", ".join(f"{k}: {v}" for k, v in saved_weights.items() if k != "weights")
-        kind = saved_weights["weights"]
-        lines += ["", f"The saved weights are {what.get(kind, kind)} ({details})."]
-    return "\n".join(lines) + "\n"
-
-
 def validate_arguments(args) -> None:
     """Each built-in trick's own checks, then what the tricks switched on declare (capability flags), then the checks
     that involve two of them (here, in one place)."""
     for cls in BUILT_IN_TRICKS:
         cls.validate(args)
     optim = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
-    if optim in ("lomo", "adalomo"):
+    if optim in STEPS_INSIDE_BACKWARD:  # the engine (DeepSpeed, FSDP) is checked when the trainer is built
         for trick in built_in_tricks(args):
-            if trick.extra_backwards:
-                raise ValueError(
-                    f"{trick.summary()[0]} runs several backward passes per step, but optim={optim!r} updates the "
-                    "weights inside backward; choose another optimizer"
-                )
+            problem = capability_problem(trick, optim=optim)
+            if problem is not None:
+                raise ValueError(problem)
     if args.crf and (
         args.loss_type != "ce" or getattr(args, "label_smoothing_factor", 0) > 0 or args.temperature != 1.0
     ):

@@ -20,10 +20,11 @@ from ..functional.adversarial import (
     validate_awp,
     validate_freelb,
 )
+from ..functional.models import unwrap_model
 from ..runtime import upstream as _upstream
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["Adversarial", "AdversarialArguments", "ADVERSARIAL_METHODS", "ADV_NORMS"]
+__all__ = ["AdversarialTrick", "Adversarial", "AdversarialArguments", "ADVERSARIAL_METHODS", "ADV_NORMS"]
 
 ADVERSARIAL_METHODS = ("none", "fgm", "pgd", "awp", "freelb")
 
@@ -109,7 +110,7 @@ class AdversarialArguments:
     )
 
 
-class Adversarial(Trick):
+class AdversarialTrick(BuiltInTrick):
     """Upstream's training step with the attack's passes added.
 
     The gradient is the sum of the clean and the adversarial gradients (each loss normalised like the clean one;
@@ -124,13 +125,14 @@ class Adversarial(Trick):
     """
 
     arguments = AdversarialArguments
+    name = "Adversarial"  # its entry in the state store, as checkpoints have it
     order = 900
     extra_backwards = True
     deepspeed = False
     logged_state = ("adv_skipped", "adv_plain_steps")
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.attacker: FGM | PGD | AWP | FreeLB | None = None
         self.skipped = 0  # micro-batches whose attack was skipped (clean gradient 0, inf or NaN)
         self.plain_steps = 0  # optimizer steps before adv_start_step
@@ -146,8 +148,8 @@ class Adversarial(Trick):
         return "its engine owns the backward"
 
     @classmethod
-    def from_args(cls, args) -> Adversarial | None:
-        return cls(args) if args.adversarial != "none" else None
+    def enabled(cls, args) -> bool:
+        return args.adversarial != "none"
 
     @staticmethod
     def validate(args) -> None:
@@ -221,7 +223,7 @@ class Adversarial(Trick):
 
     def _attacker(self, trainer, model: nn.Module) -> FGM | PGD | AWP | FreeLB:
         """The attacker of the unwrapped model (built once; rebuilt if the model was replaced)."""
-        unwrapped = trainer.accelerator.unwrap_model(model)
+        unwrapped = unwrap_model(model)
         if self.attacker is None or self.attacker.model is not unwrapped:
             if trainer.args.torch_compile or is_compiled_module(model):
                 # torch.compile does not guard on module hooks: a graph compiled in this process without the
@@ -253,3 +255,6 @@ class Adversarial(Trick):
                     target=args.adv_target,
                 )
         return self.attacker
+
+
+Adversarial = AdversarialTrick  # its name before the built-ins were named <Flag>Trick

@@ -3,18 +3,18 @@ with Viterbi. Its math is in :mod:`nlp_tricks.crf`."""
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..functional.crf import CRF, add_crf, compact, expand
+from ..functional.models import unwrap_model
 from ..functional.outputs import output_logits
-from ..trick import LossBatch, Trick
+from ..trick import LossBatch, LossInForward
+from .base import BuiltInTrick
 
-__all__ = ["CRFHead", "CRFArguments"]
+__all__ = ["CRFTrick", "CRFHead", "CRFArguments"]
 
 
 @dataclass
@@ -43,7 +43,7 @@ class CRFArguments:
     )
 
 
-class CRFHead(Trick):
+class CRFTrick(BuiltInTrick):
     """``crf``: attaches ``model.crf``; the loss (per sentence) is computed inside the model's forward by a hook, as
     a built-in CRF head would, so DDP / FSDP see its scores used; predictions are the Viterbi paths."""
 
@@ -52,12 +52,12 @@ class CRFHead(Trick):
     changes_loss = True
 
     def __init__(self, args):
-        self.args = args
-        self._hook: _CRFLossHook | None = None
+        super().__init__(args)
+        self._hook: LossInForward | None = None
 
     @classmethod
-    def from_args(cls, args) -> CRFHead | None:
-        return cls(args) if args.crf else None
+    def enabled(cls, args) -> bool:
+        return args.crf
 
     @staticmethod
     def validate(args) -> None:
@@ -71,9 +71,7 @@ class CRFHead(Trick):
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
         add_crf(model, bio_constraints=self.args.crf_bio_constraints)
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = _CRFLossHook(trainer, self, model)
+        self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
 
     def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
         if batch.teacher_logits is not None:
@@ -85,6 +83,12 @@ class CRFHead(Trick):
 
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         return self.crf_loss(trainer.model, logits, labels, num_items_in_batch)
+
+    def _loss_in_forward(self, trainer, module: nn.Module, outputs, labels, num_items) -> torch.Tensor:
+        """The CRF loss inside the model's forward (multi-sample dropout: the mean over its heads)."""
+        samples = trainer.head_samples(output_logits(outputs))
+        losses = [self.crf_loss(module, logits, labels, num_items) for logits in samples]
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     @staticmethod
     def crf_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None):
@@ -129,42 +133,7 @@ class CRFHead(Trick):
 
 
 def _crf_of(model: nn.Module) -> CRF:
-    while not hasattr(model, "crf") and hasattr(model, "module"):  # DataParallel / DDP
-        model = model.module
-    return model.crf
+    return unwrap_model(model).crf
 
 
-class _CRFLossHook:
-    """A forward hook on the model that fills ``outputs.loss`` with the CRF loss while :meth:`computing` is open.
-
-    It holds the trainer weakly: ``copy.deepcopy(model)`` copies the hook, not the trainer.
-    """
-
-    def __init__(self, trainer, trick: CRFHead, model: nn.Module):
-        self._trainer = weakref.ref(trainer)
-        self._trick = trick
-        self._pending = None
-        self._handle = model.register_forward_hook(self)
-
-    @contextlib.contextmanager
-    def computing(self, batch: LossBatch):
-        """While open, the model's next forward returns the CRF loss of ``batch`` (then ``batch.loss_in_outputs``)."""
-        self._pending = (batch.loss_labels, batch.num_items)
-        try:
-            yield
-            batch.loss_in_outputs = self._pending is None
-        finally:
-            self._pending = None
-
-    def __call__(self, module: nn.Module, args: tuple, outputs):
-        trainer = self._trainer()
-        if self._pending is None or trainer is None:
-            return None
-        labels, num_items = self._pending
-        self._pending = None  # one forward per request (a nested call of the same model stays plain)
-        samples = trainer.head_samples(output_logits(outputs))
-        losses = [self._trick.crf_loss(module, logits, labels, num_items) for logits in samples]
-        return trainer.outputs_with_loss(outputs, losses[0] if len(losses) == 1 else torch.stack(losses).mean())
-
-    def remove(self) -> None:
-        self._handle.remove()
+CRFHead = CRFTrick  # its name before the built-ins were named <Flag>Trick

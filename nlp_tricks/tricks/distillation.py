@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..functional.losses import distillation_loss
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["Distillation", "DistillationArguments"]
+__all__ = ["DistillationTrick", "Distillation", "DistillationArguments"]
 
 
 @dataclass
@@ -29,7 +29,7 @@ class DistillationArguments:
     )
 
 
-class Distillation(Trick):
+class DistillationTrick(BuiltInTrick):
     """The loss of a batch with ``teacher_logits``: ``alpha * T^2 * KL(teacher || student) + (1 - alpha) *
     CE(labels)``, ahead of the configured loss (which answers for batches without a teacher)."""
 
@@ -37,12 +37,9 @@ class Distillation(Trick):
     order = 700
     needs_logits = False  # it answers for batches with teacher_logits only, which keep the full logits
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> Distillation:
-        return cls(args)  # always there: it answers only for batches that carry teacher_logits
+    def enabled(cls, args) -> bool:
+        return True  # always there: it answers only for batches that carry teacher_logits
 
     @staticmethod
     def validate(args) -> None:
@@ -66,3 +63,6 @@ class Distillation(Trick):
             alpha=self.args.distill_alpha,
             num_items_in_batch=num_items_in_batch,
         )
+
+
+Distillation = DistillationTrick  # its name before the built-ins were named <Flag>Trick

@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass, field
 
 from ..functional.averaging import EMA, validate_ema_decay
-from ..runtime.averaging import EMA_STATE_NAME, EMACallback, ema_unsupported_reason
+from ..runtime.averaging import EMA_STATE_NAME
 from ..runtime.state import checkpoint_trick_states
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["ExponentialMovingAverage", "EMAArguments"]
+__all__ = ["EMATrick", "ExponentialMovingAverage", "EMAArguments"]
 
 
 @dataclass
@@ -43,23 +43,33 @@ class EMAArguments:
     )
 
 
-class ExponentialMovingAverage(Trick):
-    """An :class:`~nlp_tricks.functional.averaging.EMA` updated after every optimizer step (an :class:`EMACallback`),
-    its tensors in the state store of every checkpoint and restored on resume; with ``ema_eval`` it is swapped in for
-    evaluation, prediction and the final saved model (the raw weights come back bitwise)."""
+class EMATrick(BuiltInTrick):
+    """An :class:`~nlp_tricks.functional.averaging.EMA` built when training begins (from the weights training starts
+    from), updated after every optimizer step, its tensors in the state store of every checkpoint and restored on
+    resume; with ``ema_eval`` it is swapped in for evaluation, prediction and the final saved model (the raw weights
+    come back bitwise)."""
 
     arguments = EMAArguments
     name = "EMA"
     order = 1100
     legacy_files = (EMA_STATE_NAME,)  # where checkpoints written before the state store kept the average
+    # FSDP and ZeRO-3 shard the parameters: each process holds a slice, and an average of it would average
+    # placeholders. DDP, DataParallel and ZeRO-1/2 keep whole, identical parameters on every process: each process
+    # updates its own average from the same weights, with no communication.
+    zero3 = False
+    fsdp = False
+    unsupported_reason = (
+        "it shards the parameters and the EMA needs whole ones; train with DDP or DeepSpeed ZeRO-1/2, or set "
+        "ema_decay=0"
+    )
 
     def __init__(self, args):
-        self.args = args
-        self.callback = EMACallback(args.ema_decay, warmup=args.ema_warmup)
+        super().__init__(args)
+        self.ema: EMA | None = None
 
     @classmethod
-    def from_args(cls, args) -> ExponentialMovingAverage | None:
-        return cls(args) if args.ema_decay > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.ema_decay > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -74,34 +84,25 @@ class ExponentialMovingAverage(Trick):
     def summary(self) -> list[str]:
         return [f"ema_decay={self.args.ema_decay}" + (" (evaluated and saved)" if self.args.ema_eval else "")]
 
-    @property
-    def ema(self) -> EMA | None:
-        return self.callback.ema
-
-    def setup(self, trainer) -> None:
-        problem = ema_unsupported_reason(trainer)
-        if problem is not None:
-            raise ValueError(problem)
-
-    # The trick is the trainer's callback: its EMACallback's events run through it.
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.callback.on_train_begin(args, state, control, **kwargs)
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # The model holds the weights training starts from (a resumed run: the checkpoint's, and then the saved
+        # average is restored into this EMA right after).
+        self.ema = EMA(model, self.args.ema_decay, warmup=self.args.ema_warmup)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.callback.on_optimizer_step(args, state, control, **kwargs)
+        self.ema.update()
 
     def state_dict(self) -> dict:
         return {} if self.ema is None else self.ema.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        # Applied when training begins: the EMA is built then, from the weights the run starts from.
-        self.callback.pending_state = state or None
+        if state:
+            self.ema.load_state_dict(state)
 
     def legacy_state(self, legacy: dict) -> dict | None:
         """A checkpoint written before the state store kept the EMA in ``ema_state.safetensors``."""
-        if legacy["ema_file"] is None:
-            return None
-        self.callback.resume_from = os.path.dirname(legacy["ema_file"])
+        if legacy["ema_file"] is not None:
+            self.ema.load(legacy["ema_file"])
         return None
 
     def eval_weights(self, trainer):
@@ -122,3 +123,6 @@ class ExponentialMovingAverage(Trick):
                 self.ema.load_state_dict(saved, where=best)
             else:
                 self.ema.load(os.path.join(best, EMA_STATE_NAME))
+
+
+ExponentialMovingAverage = EMATrick  # its name before the built-ins were named <Flag>Trick

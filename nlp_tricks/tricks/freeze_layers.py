@@ -7,17 +7,17 @@ import logging
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import ParallelMode
 
 from ..functional.layers import freeze_bottom_layers, model_layers, unfreeze
-from ..trick import Trick
+from ..functional.models import unwrap_model
+from .base import BuiltInTrick
 from .reinit_layers import check_count
 
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["LayerFreezing", "FreezeArguments"]
+__all__ = ["FreezeLayersTrick", "LayerFreezing", "FreezeArguments"]
 
 
 @dataclass
@@ -45,7 +45,7 @@ class FreezeArguments:
     )
 
 
-class LayerFreezing(Trick):
+class FreezeLayersTrick(BuiltInTrick):
     """Holds the embeddings (and the bottom ``freeze_layers`` layers) fixed.
 
     Without ``unfreeze_at_step`` they are frozen (``requires_grad=False``) before the Trainer builds its optimizer
@@ -59,13 +59,26 @@ class LayerFreezing(Trick):
     # After the EMA (1100): it is built when training begins, before this trick freezes what unfreeze_at_step thaws.
     order = 1300
 
+    unsupported_reason = (
+        "unfreeze_at_step changes which parameters train during the run, which DeepSpeed / FSDP flattened parameters "
+        "do not allow; freeze without unfreezing, or use DDP"
+    )
+
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.frozen: list[nn.Parameter] = []
 
+    @property
+    def deepspeed(self) -> bool:
+        return self.args.unfreeze_at_step is None
+
+    @property
+    def fsdp(self) -> bool:
+        return self.args.unfreeze_at_step is None
+
     @classmethod
-    def from_args(cls, args) -> LayerFreezing | None:
-        return cls(args) if args.freeze_layers > 0 or args.freeze_embeddings else None
+    def enabled(cls, args) -> bool:
+        return args.freeze_layers > 0 or args.freeze_embeddings
 
     @staticmethod
     def validate(args) -> None:
@@ -94,8 +107,8 @@ class LayerFreezing(Trick):
             if n > len(layers) - getattr(self.args, "reinit_layers", 0):
                 raise ValueError(
                     f"freeze_layers={n} and reinit_layers={getattr(self.args, 'reinit_layers', 0)} overlap on "
-                    f"{type(unwrap_peft_model(model)).__name__}'s {len(layers)} layers: a re-initialised layer would "
-                    "never train"
+                    f"{type(unwrap_model(model, peft=True)).__name__}'s {len(layers)} layers: a re-initialised layer "
+                    "would never train"
                 )
         self.frozen = freeze_bottom_layers(model, n, embeddings=True)
         if not self.frozen:
@@ -109,11 +122,6 @@ class LayerFreezing(Trick):
     def setup(self, trainer) -> None:
         if self.args.unfreeze_at_step is None:
             return
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            raise ValueError(
-                f"unfreeze_at_step={self.args.unfreeze_at_step} changes which parameters train during the run, which "
-                "DeepSpeed / FSDP flattened parameters do not allow; freeze without unfreezing, or use DDP"
-            )
         args = self.args
         if args.parallel_mode == ParallelMode.DISTRIBUTED:
             find_unused = args.ddp_find_unused_parameters
@@ -134,3 +142,6 @@ class LayerFreezing(Trick):
     def on_step_end(self, args, state, control, **kwargs):
         if self.args.unfreeze_at_step is not None and state.global_step == self.args.unfreeze_at_step:
             unfreeze(self.frozen)
+
+
+LayerFreezing = FreezeLayersTrick  # its name before the built-ins were named <Flag>Trick

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from ..functional.multi_sample_dropout import MultiSampleDropout, validate_multi_sample_dropout
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["MultiSampleDropoutHead", "HeadDropoutArguments"]
+__all__ = ["HeadDropoutTrick", "MultiSampleDropoutHead", "HeadDropoutArguments"]
 
 
 @dataclass
@@ -33,7 +33,7 @@ class HeadDropoutArguments:
     )
 
 
-class MultiSampleDropoutHead(Trick):
+class HeadDropoutTrick(BuiltInTrick):
     """K dropout masks on the features entering the head; the loss is the mean of the K heads' losses (the
     returned logits are the first head's). Off at evaluation."""
 
@@ -43,12 +43,12 @@ class MultiSampleDropoutHead(Trick):
     in_evaluation = False
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.hooks: MultiSampleDropout | None = None
 
     @classmethod
-    def from_args(cls, args) -> MultiSampleDropoutHead | None:
-        return cls(args) if args.head_dropout_samples > 1 or args.head_dropout > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.head_dropout_samples > 1 or args.head_dropout > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -74,3 +74,6 @@ class MultiSampleDropoutHead(Trick):
                 f"{tuple(logits.shape)}; multi-sample dropout needs a model that returns its head's output as logits"
             )
         return list(samples.unbind(0))
+
+
+MultiSampleDropoutHead = HeadDropoutTrick  # its name before the built-ins were named <Flag>Trick

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["LayerwiseLearningRates", "ParamGroupArguments"]
+__all__ = ["LayerDecayTrick", "LayerwiseLearningRates", "ParamGroupArguments"]
 
 
 @dataclass
@@ -31,19 +31,16 @@ class ParamGroupArguments:
     )
 
 
-class LayerwiseLearningRates(Trick):
+class LayerDecayTrick(BuiltInTrick):
     """``head_lr_scale`` for the task head and ``layer_decay ** depth`` per layer, multiplied with the other tricks'
     group rules (a CRF's own lr, name patterns)."""
 
     arguments = ParamGroupArguments
     order = 1400
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> LayerwiseLearningRates | None:
-        return cls(args) if args.head_lr_scale != 1.0 or args.layer_decay != 1.0 else None
+    def enabled(cls, args) -> bool:
+        return args.head_lr_scale != 1.0 or args.layer_decay != 1.0
 
     @staticmethod
     def validate(args) -> None:
@@ -57,3 +54,6 @@ class LayerwiseLearningRates(Trick):
 
     def param_group_options(self, trainer, model) -> dict:
         return {"head_lr_scale": self.args.head_lr_scale, "layer_decay": self.args.layer_decay}
+
+
+LayerwiseLearningRates = LayerDecayTrick  # its name before the built-ins were named <Flag>Trick

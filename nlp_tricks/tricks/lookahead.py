@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..functional.lookahead import SlowWeights, validate_lookahead
-from ..runtime.checkpoint import unwrap_model
-from ..trick import Trick
+from ..functional.models import unwrap_model
+from .base import BuiltInTrick
 
-__all__ = ["Lookahead", "LookaheadArguments"]
+__all__ = ["LookaheadTrick", "LookaheadArguments"]
 
 
 @dataclass
@@ -35,10 +35,10 @@ class LookaheadArguments:
     )
 
 
-class Lookahead(Trick):
-    """Slow weights over every parameter the optimizer holds, made when training begins (restored from the state
-    store on resume) and synced after every ``lookahead_k``-th optimizer step. Ordered before the EMA (1100), so the
-    EMA's update of a sync step averages the synced weights: the weights training goes on from."""
+class LookaheadTrick(BuiltInTrick):
+    """Slow weights over every parameter the optimizer holds, made when training begins (a resumed run: filled from
+    the state store right after) and synced after every ``lookahead_k``-th optimizer step. Ordered before the EMA
+    (1100), so the EMA's update of a sync step averages the synced weights: the weights training goes on from."""
 
     arguments = LookaheadArguments
     order = 1050
@@ -46,17 +46,16 @@ class Lookahead(Trick):
     fsdp = False
     unsupported_reason = (
         "Lookahead rewrites the model's weights after the optimizer step; FSDP shards them and DeepSpeed steps its "
-        "own copy of them (the master weights), so the sync would be lost. Train with DDP, or set lookahead_k=0"
+        "own copy of them (the master weights), so the sync would be lost; train with DDP, or set lookahead_k=0"
     )
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.slow: SlowWeights | None = None
-        self.pending: dict | None = None
 
     @classmethod
-    def from_args(cls, args) -> Lookahead | None:
-        return cls(args) if args.lookahead_k > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.lookahead_k > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -70,9 +69,6 @@ class Lookahead(Trick):
         names = {id(p): name for name, p in unwrap_model(model).named_parameters()}
         params = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"] if id(p) in names]
         self.slow = SlowWeights(params, self.args.lookahead_k, self.args.lookahead_alpha)
-        if self.pending is not None:
-            self.slow.load_state_dict(self.pending)
-        self.pending = None
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.slow.step()
@@ -81,5 +77,5 @@ class Lookahead(Trick):
         return {} if self.slow is None else self.slow.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        # Applied when training begins, once the optimizer (which says which weights are trained) is built.
-        self.pending = state or None
+        if state:
+            self.slow.load_state_dict(state)

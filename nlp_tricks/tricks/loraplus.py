@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["LoraPlus", "LoraPlusArguments"]
+__all__ = ["LoraPlusTrick", "LoraPlus", "LoraPlusArguments"]
 
 # PEFT's rule: the B matrices ("lora_B" in the name, their biases too) and every other trainable 1-D parameter (DoRA's
 # magnitude vectors, biases) at ratio x lr; the embedding adapters (lora.Embedding's A and B) at their own lr.
@@ -40,19 +40,16 @@ class LoraPlusArguments:
     )
 
 
-class LoraPlus(Trick):
+class LoraPlusTrick(BuiltInTrick):
     """LoRA's B matrices at ``loraplus_lr_ratio`` x lr and its embedding adapters at ``loraplus_lr_embedding``."""
 
     arguments = LoraPlusArguments
     order = 1500
     default_lr_embedding = 1e-6  # PEFT's
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> LoraPlus | None:
-        return cls(args) if args.loraplus_lr_ratio is not None else None
+    def enabled(cls, args) -> bool:
+        return args.loraplus_lr_ratio is not None
 
     @staticmethod
     def validate(args) -> None:
@@ -98,3 +95,6 @@ class LoraPlus(Trick):
 
 def _trainable(model) -> list:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+LoraPlus = LoraPlusTrick  # its name before the built-ins were named <Flag>Trick

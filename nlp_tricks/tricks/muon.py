@@ -10,14 +10,14 @@ import re
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 
+from ..functional.models import unwrap_model
 from ..functional.muon import MUON, MuonWithAdamW, muon_missing
 from ..runtime import upstream as _upstream
 from ..runtime.param_groups import head_parameter_ids
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["Muon", "MuonArguments", "muon_parameter_names"]
+__all__ = ["MuonTrick", "MuonArguments", "muon_parameter_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def muon_parameter_names(model: nn.Module) -> list[str]:
     weights of the body (attention, MLP, pooler; LoRA's A and B), not the embeddings (``nn.Embedding`` modules and
     LoRA's embedding adapters), the heads (parameters outside ``base_model``; the output projection) or the 1-D
     parameters (biases, norms)."""
-    inner = unwrap_peft_model(model)
+    inner = unwrap_model(model, peft=True)
     excluded = set(head_parameter_ids(inner))
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     get_output = getattr(inner, "get_output_embeddings", None)
@@ -69,7 +69,7 @@ def muon_parameter_names(model: nn.Module) -> list[str]:
     ]
 
 
-class Muon(Trick):
+class MuonTrick(BuiltInTrick):
     """Muon for :func:`muon_parameter_names`' matrices, the ``--optim`` optimizer for every other parameter."""
 
     arguments = MuonArguments
@@ -77,16 +77,13 @@ class Muon(Trick):
     deepspeed = False
     fsdp = False
     unsupported_reason = (
-        "Muon orthogonalises whole weight matrices, and DeepSpeed / FSDP hand the optimizer flat shards of them. "
-        "Train with DDP, or set muon=False"
+        "Muon orthogonalises whole weight matrices, and DeepSpeed / FSDP hand the optimizer flat shards of them; "
+        "train with DDP, or set muon=False"
     )
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> Muon | None:
-        return cls(args) if args.muon else None
+    def enabled(cls, args) -> bool:
+        return bool(args.muon)
 
     @staticmethod
     def validate(args) -> None:
@@ -105,7 +102,7 @@ class Muon(Trick):
     def setup(self, trainer) -> None:
         adamw = self._other_optimizer(trainer)
         names = muon_parameter_names(trainer.model)
-        model_name = type(unwrap_peft_model(trainer.model)).__name__
+        model_name = type(unwrap_model(trainer.model, peft=True)).__name__
         if not names:
             raise ValueError(
                 f"muon=True trains 2-D hidden matrices, but {model_name} has no trainable one (embeddings, heads and "

@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
-from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.layers import seeded
+from ..functional.models import unwrap_model
 from ..functional.pooling import POOLING_MODES, Pooling, add_pooling
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["PoolingHead", "PoolingArguments"]
+__all__ = ["PoolingTrick", "PoolingHead", "PoolingArguments"]
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PoolingArguments:
     )
 
 
-class PoolingHead(Trick):
+class PoolingTrick(BuiltInTrick):
     """Attaches :func:`~nlp_tricks.pooling.add_pooling` to the model before the Trainer wraps it; its new weights are
     drawn under ``seed``. Training, saving and loading need nothing else (``load_pooled_model`` reads the saved
     model back)."""
@@ -41,12 +41,9 @@ class PoolingHead(Trick):
     arguments = PoolingArguments
     order = 100
 
-    def __init__(self, args):
-        self.args = args
-
     @classmethod
-    def from_args(cls, args) -> PoolingHead | None:
-        return cls(args) if args.pooling is not None else None
+    def enabled(cls, args) -> bool:
+        return args.pooling is not None
 
     @staticmethod
     def validate(args) -> None:
@@ -57,7 +54,7 @@ class PoolingHead(Trick):
         return [f"pooling={self.args.pooling}"]
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
-        inner = unwrap_peft_model(model)
+        inner = unwrap_model(model, peft=True)
         if inner is not model and not isinstance(getattr(inner, "pooling", None), Pooling):
             raise ValueError(
                 f"pooling={self.args.pooling!r} cannot be added to a PEFT model after wrapping: call "
@@ -67,3 +64,6 @@ class PoolingHead(Trick):
         param = next(inner.parameters(), None)
         with seeded(self.args.seed, param.device if param is not None else None):
             add_pooling(inner, self.args.pooling)
+
+
+PoolingHead = PoolingTrick  # its name before the built-ins were named <Flag>Trick

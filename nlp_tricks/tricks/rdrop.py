@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..functional.losses import rdrop_kl
-from ..trick import LossBatch, Trick
+from ..functional.models import unwrap_model
+from ..trick import LossBatch
+from .base import BuiltInTrick
 
-__all__ = ["RDrop", "RDropArguments"]
+__all__ = ["RDropTrick", "RDrop", "RDropArguments"]
 
 
 @dataclass
@@ -28,7 +30,7 @@ class RDropArguments:
     )
 
 
-class RDrop(Trick):
+class RDropTrick(BuiltInTrick):
     """The batch runs twice with independent dropout (one forward of the doubled batch); the loss per counted item
     is ``loss(a) + loss(b) + rdrop_alpha / 2 * (KL(p_a || p_b) + KL(p_b || p_a))``. Logs ``loss_kl``."""
 
@@ -38,12 +40,12 @@ class RDrop(Trick):
     in_evaluation = False
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self._checked = False  # the first batch checks that the model has active dropout
 
     @classmethod
-    def from_args(cls, args) -> RDrop | None:
-        return cls(args) if args.rdrop_alpha > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.rdrop_alpha > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -93,7 +95,7 @@ class RDrop(Trick):
             if torch.equal(logits_a, logits_b):
                 raise ValueError(
                     f"rdrop_alpha={self.args.rdrop_alpha} needs dropout, but the two passes over the batch gave "
-                    f"identical logits: {type(trainer.accelerator.unwrap_model(trainer.model)).__name__} has no "
+                    f"identical logits: {type(unwrap_model(trainer.model)).__name__} has no "
                     "active dropout (e.g. hidden_dropout_prob=0 in its config); give it a dropout probability > 0 or "
                     "set rdrop_alpha=0"
                 )
@@ -101,3 +103,6 @@ class RDrop(Trick):
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
         trainer.record_loss_term("loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl
+
+
+RDrop = RDropTrick  # its name before the built-ins were named <Flag>Trick

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..functional.layers import reinit_top_layers, seeded
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["ReinitLayers", "ReinitArguments", "check_count"]
+__all__ = ["ReinitLayersTrick", "ReinitLayers", "ReinitArguments", "check_count"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def check_count(value, name: str) -> None:
         raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 0")
 
 
-class ReinitLayers(Trick):
+class ReinitLayersTrick(BuiltInTrick):
     """Re-initialises the top ``reinit_layers`` layers (and the base model's pooler) with the model's own
     ``_init_weights`` before training, drawing under ``seed`` (the global RNG is left as it was)."""
 
@@ -43,12 +43,12 @@ class ReinitLayers(Trick):
     order = 200
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.reinitialised: list[str] = []
 
     @classmethod
-    def from_args(cls, args) -> ReinitLayers | None:
-        return cls(args) if args.reinit_layers > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.reinit_layers > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -62,3 +62,6 @@ class ReinitLayers(Trick):
         with seeded(self.args.seed, param.device if param is not None else None):
             self.reinitialised = reinit_top_layers(model, self.args.reinit_layers)
         logger.info(f"reinit_layers={self.args.reinit_layers}: re-initialised {', '.join(self.reinitialised)}")
+
+
+ReinitLayers = ReinitLayersTrick  # its name before the built-ins were named <Flag>Trick

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from transformers import Seq2SeqTrainer
 
+from ..functional.models import unwrap_model
 from ..functional.scheduled_sampling import (
     MODES,
     SCHEDULES,
@@ -17,9 +18,9 @@ from ..functional.scheduled_sampling import (
     validate_mixing,
     validate_schedule,
 )
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["ScheduledSampling", "ScheduledSamplingArguments"]
+__all__ = ["ScheduledSamplingTrick", "ScheduledSampling", "ScheduledSamplingArguments"]
 
 
 @dataclass
@@ -62,7 +63,7 @@ class ScheduledSamplingArguments:
     )
 
 
-class ScheduledSampling(Trick):
+class ScheduledSamplingTrick(BuiltInTrick):
     """In training, the model runs teacher-forced under ``no_grad``, each target input token (a decoder input; for
     a causal LM a completion token) is replaced by its prediction with probability ``1 - ratio``, and the loss is
     taken on a second pass over that input. The ratio is read at ``state.global_step`` (so it resumes with a
@@ -75,12 +76,12 @@ class ScheduledSampling(Trick):
     in_evaluation = False
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.sampler = ScheduledSampler(args.scheduled_sampling, args.ss_k, args.ss_min_ratio)
 
     @classmethod
-    def from_args(cls, args) -> ScheduledSampling | None:
-        return cls(args) if args.scheduled_sampling != "none" else None
+    def enabled(cls, args) -> bool:
+        return args.scheduled_sampling != "none"
 
     @staticmethod
     def validate(args) -> None:
@@ -109,7 +110,7 @@ class ScheduledSampling(Trick):
     def setup(self, trainer) -> None:
         if trainer.model is None:
             return
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = unwrap_model(trainer.model)
         seq2seq_model = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
         if isinstance(trainer, Seq2SeqTrainer):
             if not seq2seq_model:
@@ -133,7 +134,7 @@ class ScheduledSampling(Trick):
             return None
         shared = trainer.loss_context.shared if trainer.loss_context is not None else {}
         draw = shared.get("scheduled_sampling")
-        unwrapped = trainer.accelerator.unwrap_model(model)
+        unwrapped = unwrap_model(model)
         if getattr(getattr(unwrapped, "config", None), "is_encoder_decoder", False):
             from ..seq2seq.scheduled_sampling import scheduled_sampling_forward as passes
         else:
@@ -158,3 +159,6 @@ class ScheduledSampling(Trick):
 
 
 __all__ += ["MODES", "SCHEDULES"]
+
+
+ScheduledSampling = ScheduledSamplingTrick  # its name before the built-ins were named <Flag>Trick

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..functional.models import unwrap_model
 from ..functional.outputs import output_logits
 from ..functional.smart import SMART, validate_smart
-from ..trick import LossBatch, Trick
+from ..trick import LossBatch
+from .base import BuiltInTrick
 
-__all__ = ["SmoothnessRegularization", "SMARTArguments"]
+__all__ = ["SMARTTrick", "SmoothnessRegularization", "SMARTArguments"]
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SMARTArguments:
     )
 
 
-class SmoothnessRegularization(Trick):
+class SMARTTrick(BuiltInTrick):
     """``loss + smart_alpha * R`` in every training forward whose loss is backpropagated (an attack's passes and
     SAM's second pass included), ``R`` the symmetric KL between the logits at the embedding outputs ``x`` and at
     ``x + delta``, ``delta`` found by ``smart_steps`` ascent steps from a random start (see :mod:`nlp_tricks.smart`).
@@ -67,13 +69,13 @@ class SmoothnessRegularization(Trick):
     noise_std: float = 1e-5
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.smart: SMART | None = None
         self.skipped = 0  # forwards whose ascent gradient had an inf or a NaN
 
     @classmethod
-    def from_args(cls, args) -> SmoothnessRegularization | None:
-        return cls(args) if args.smart_alpha > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.smart_alpha > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -102,7 +104,7 @@ class SmoothnessRegularization(Trick):
 
     def _smart(self, trainer) -> SMART:
         """The regulariser of the unwrapped model (built once; rebuilt if the model was replaced)."""
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        unwrapped = unwrap_model(trainer.model)
         if self.smart is None or self.smart.model is not unwrapped:
             if self.smart is not None:
                 self.smart.stop_capture()
@@ -151,3 +153,6 @@ class SmoothnessRegularization(Trick):
             return loss
         trainer.record_loss_term("loss_smart", term, batch.num_items)
         return loss + self.args.smart_alpha * term
+
+
+SmoothnessRegularization = SMARTTrick  # its name before the built-ins were named <Flag>Trick

@@ -4,8 +4,6 @@ multilabel categorical cross-entropy over spans and predicted as the spans scori
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +21,8 @@ from ..functional.spans import (
     span_scores,
     word_positions_of,
 )
-from ..trick import LossBatch, Trick
+from ..trick import LossBatch, LossInForward
+from .base import BuiltInTrick
 
 __all__ = ["SpanHeadTrick", "SpanHeadArguments", "span_predictions"]
 
@@ -79,7 +78,7 @@ class SpanHeadArguments:
     )
 
 
-class SpanHeadTrick(Trick):
+class SpanHeadTrick(BuiltInTrick):
     """``span_head``: puts the span head in the model's classifier's place; the loss (one item per sentence and
     entity type) is computed inside the model's forward by a hook, as the CRF's is, so DDP / FSDP see the whole head
     used; predictions are the decoded spans as ``(B, K, 3)`` rows ``(type, start, end exclusive)`` over words, padded
@@ -90,13 +89,13 @@ class SpanHeadTrick(Trick):
     changes_loss = True
 
     def __init__(self, args):
-        self.args = args
-        self._hook: _SpanLossHook | None = None
+        super().__init__(args)
+        self._hook: LossInForward | None = None
         self.num_types: int | None = None
 
     @classmethod
-    def from_args(cls, args) -> SpanHeadTrick | None:
-        return cls(args) if args.span_head is not None else None
+    def enabled(cls, args) -> bool:
+        return args.span_head is not None
 
     @staticmethod
     def validate(args) -> None:
@@ -136,9 +135,7 @@ class SpanHeadTrick(Trick):
             head = add_span_head(model, args.span_head, args.span_head_size, args.span_head_rope)
         self.num_types = head.num_types
         model.config.span_flat = bool(args.span_flat)  # saved with the model: how its predictions were decoded
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook = _SpanLossHook(trainer, self, model)
+        self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
 
     def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
         if batch.teacher_logits is not None:
@@ -151,6 +148,10 @@ class SpanHeadTrick(Trick):
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         self.check_length(labels)
         return span_loss(trainer.model, logits, labels, num_items_in_batch)
+
+    def _loss_in_forward(self, trainer, module: nn.Module, outputs, labels, num_items) -> torch.Tensor:
+        self.check_length(labels)
+        return span_loss(module, output_logits(outputs), labels, num_items)
 
     def count_items(self, trainer, labels):
         """An item is a sentence (with at least one word) and an entity type."""
@@ -197,39 +198,3 @@ def span_predictions(model: nn.Module, logits: torch.Tensor, labels: torch.Tenso
         if found:
             rows[b, : len(found)] = torch.tensor(found)
     return rows.to(logits.device)
-
-
-class _SpanLossHook:
-    """A forward hook on the model that fills ``outputs.loss`` with the span loss while :meth:`computing` is open.
-
-    It holds the trainer weakly: ``copy.deepcopy(model)`` copies the hook, not the trainer.
-    """
-
-    def __init__(self, trainer, trick: SpanHeadTrick, model: nn.Module):
-        self._trainer = weakref.ref(trainer)
-        self._trick = trick
-        self._pending = None
-        self._handle = model.register_forward_hook(self)
-
-    @contextlib.contextmanager
-    def computing(self, batch: LossBatch):
-        """While open, the model's next forward returns the span loss of ``batch`` (then ``batch.loss_in_outputs``)."""
-        self._pending = (batch.loss_labels, batch.num_items)
-        try:
-            yield
-            batch.loss_in_outputs = self._pending is None
-        finally:
-            self._pending = None
-
-    def __call__(self, module: nn.Module, args: tuple, outputs):
-        trainer = self._trainer()
-        if self._pending is None or trainer is None:
-            return None
-        labels, num_items = self._pending
-        self._pending = None  # one forward per request (a nested call of the same model stays plain)
-        self._trick.check_length(labels)
-        loss = span_loss(module, output_logits(outputs), labels, num_items)
-        return trainer.outputs_with_loss(outputs, loss)
-
-    def remove(self) -> None:
-        self._handle.remove()

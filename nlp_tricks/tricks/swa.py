@@ -8,12 +8,12 @@ import os
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
-from transformers.trainer_utils import unwrap_peft_model
 
+from ..functional.models import unwrap_model
 from ..runtime.averaging import average_into, last_complete_checkpoints
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["CheckpointAveraging", "SWAArguments"]
+__all__ = ["SWATrick", "CheckpointAveraging", "SWAArguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class SWAArguments:
     )
 
 
-class CheckpointAveraging(Trick):
+class SWATrick(BuiltInTrick):
     """``swa_last_k``: at the end of training the model holds the uniform average of the K newest complete
     checkpoints (stochastic weight averaging over the last saves)."""
 
@@ -40,12 +40,12 @@ class CheckpointAveraging(Trick):
     order = 1200
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.checkpoints: list[str] | None = None
 
     @classmethod
-    def from_args(cls, args) -> CheckpointAveraging | None:
-        return cls(args) if args.swa_last_k > 0 else None
+    def enabled(cls, args) -> bool:
+        return args.swa_last_k > 0
 
     @staticmethod
     def validate(args) -> None:
@@ -71,7 +71,7 @@ class CheckpointAveraging(Trick):
     def setup(self, trainer) -> None:
         if trainer.model is None:
             return
-        model = unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+        model = unwrap_model(trainer.model, peft=True)
         if not isinstance(model, PreTrainedModel):
             raise ValueError(
                 f"swa_last_k={self.args.swa_last_k} averages the weights files of a transformers model's checkpoints; "
@@ -99,3 +99,6 @@ class CheckpointAveraging(Trick):
         average_into(trainer.model, paths)
         self.checkpoints = paths
         logger.info(f"swa_last_k: the model now holds the average of {', '.join(paths)}")
+
+
+CheckpointAveraging = SWATrick  # its name before the built-ins were named <Flag>Trick

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..functional.tying import TIE_SCOPE_CONFIG_KEY, TIE_SCOPES, count_unique_parameters, tie_encoder_decoder
-from ..trick import Trick
+from .base import BuiltInTrick
 
-__all__ = ["TieEncoderDecoder", "TieArguments"]
+__all__ = ["TieEncoderDecoderTrick", "TieEncoderDecoder", "TieArguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +32,24 @@ class TieArguments:
     )
 
 
-class TieEncoderDecoder(Trick):
+class TieEncoderDecoderTrick(BuiltInTrick):
     """Ties the model when the trainer is built (or by ``model_init``). A model reloaded from a tied checkpoint (its
     config records the scope) is tied again even with ``tie_encoder_decoder='none'``. The first training log holds
     ``unique_parameters`` (and ``unique_parameters_untied`` when ties were applied)."""
 
     arguments = TieArguments
+    in_tricks_config = False  # its field is Seq2SeqTricksArguments'
     order = 50  # before anything reads the model's parameters
 
     def __init__(self, args):
-        self.args = args
+        super().__init__(args)
         self.report: dict[str, int] = {}
         self._trainer = None
 
     @classmethod
-    def from_args(cls, args) -> TieEncoderDecoder | None:
+    def enabled(cls, args) -> bool:
         # Only arguments that have the field (Seq2SeqTricksArguments); there always, for reloaded tied models.
-        return cls(args) if hasattr(args, "tie_encoder_decoder") else None
+        return hasattr(args, "tie_encoder_decoder")
 
     @staticmethod
     def validate(args) -> None:
@@ -91,3 +92,6 @@ class TieEncoderDecoder(Trick):
         logger.info(f"Unique parameters: {report['unique_parameters']:,}{untied}")
         for name, count in report.items():  # in the first training log of the run
             trainer.record_metric(name, count)
+
+
+TieEncoderDecoder = TieEncoderDecoderTrick  # its name before the built-ins were named <Flag>Trick

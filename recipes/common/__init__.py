@@ -11,12 +11,24 @@ nothing here is part of the ``nlp_tricks`` package, whose toolkit the recipes us
 - ``data``: splits from files, the demo or the Hub; labels; the tokenizing map's options.
 - ``models``: the model to start from, its config, tokenizer and weights; a saved CRF kept.
 - ``outputs``: the output folder (an earlier run's results refused or removed) and atomic JSON.
-- ``run``: running a recipe (threads, one-line data errors) and the end of a run (train, evaluate, predict,
+- ``threads``: the torch threads of a CPU run (the cores free at start, unless the user chose).
+- ``run``: running a recipe (its threads, one-line data errors) and the end of a run (train, evaluate, predict,
   ``all_results.json``, the exit of a preempted run).
+- ``summary``: the lines a person reads at the end of a run (headline scores, where the files are, the commands
+  that predict and plot).
+- ``trainer``: :func:`build_trainer`, the trainer every recipe builds (validation, ``--trick`` tricks, refusals).
+- ``user_tricks``: ``--trick module:Class``, a user's own trick with its flags (:func:`user_tricks`).
 - ``errors``: load and build errors as one line; ``process``: rank 0 and its warnings.
 """
 
-from .arguments import DataArguments, ModelArguments, RunArguments
+from .arguments import (
+    ENCODER_DEFAULTS,
+    TABLE_TRAIN_FILE_HELP,
+    DataArguments,
+    ModelArguments,
+    RunArguments,
+    dataset_help,
+)
 from .config_file import CONFIG_SUFFIXES
 from .data import (
     check_label_arguments,
@@ -28,7 +40,7 @@ from .data import (
     load_splits,
     map_options,
 )
-from .errors import refusals_of_the_model
+from .errors import one_line_load_errors, refusals_of_the_model
 from .models import (
     DEMO_MODELS,
     check_saved_crf,
@@ -42,26 +54,38 @@ from .models import (
 from .outputs import RESULT_OUTPUTS, RUN_OUTPUTS, prepare_output_dir, write_json_atomic
 from .parsing import parse_recipe_args
 from .process import is_main_process, logger, warn
-from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict, use_every_core
+from .run import exit_if_preempted, own_rows, resume_argument, run_recipe, train_evaluate_predict
 from .start import start_recipe
+from .summary import print_summary, summary_lines
+from .threads import choose_threads, has_accelerator
+from .trainer import build_trainer
+from .user_tricks import TrickError, load_trick, trick_specs, user_tricks
 
 __all__ = [
     "CONFIG_SUFFIXES",
     "DEMO_MODELS",
+    "ENCODER_DEFAULTS",
     "RESULT_OUTPUTS",
     "RUN_OUTPUTS",
     "DataArguments",
     "ModelArguments",
     "RunArguments",
+    "TABLE_TRAIN_FILE_HELP",
+    "TrickError",
+    "build_trainer",
     "check_label_arguments",
+    "choose_threads",
     "check_saved_crf",
     "check_split_labels",
     "data_record",
+    "dataset_help",
     "eval_splits",
     "exit_if_preempted",
+    "has_accelerator",
     "is_main_process",
     "labelled_splits",
     "labels_of",
+    "load_trick",
     "load_classifier",
     "load_config_and_tokenizer",
     "load_splits",
@@ -69,17 +93,21 @@ __all__ = [
     "logger",
     "map_options",
     "model_holds_crf",
+    "one_line_load_errors",
     "own_rows",
     "parse_recipe_args",
     "prepare_output_dir",
+    "print_summary",
     "refusals_of_the_model",
     "resolve_model_path",
     "resume_argument",
     "run_recipe",
     "saved_crf_defaults",
     "start_recipe",
+    "summary_lines",
     "train_evaluate_predict",
-    "use_every_core",
+    "trick_specs",
+    "user_tricks",
     "warn",
     "write_json_atomic",
 ]

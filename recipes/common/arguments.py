@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+# The defaults of the recipes that fine-tune an encoder with a head (NER, classification), tuned on their demos
+# (MiniLM, 2-core CPU); each recipe adds its learning rate. Every one is a flag.
+ENCODER_DEFAULTS = {
+    "num_train_epochs": 2,
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 64,
+    "weight_decay": 0.01,
+    "head_lr_scale": 10.0,
+    "eval_strategy": "epoch",
+    "save_strategy": "no",
+}
+
+# --train_file of the recipes that read tables (classification, summarization).
+TABLE_TRAIN_FILE_HELP = "Training data: CSV (.csv) or TSV (.tsv, tab-separated), with a header row, or JSON lines."
+
+
+def dataset_help(demo: str, hub: str) -> str:
+    """``--dataset_name``'s help in a recipe's words: its ``demo`` data, and what a Hub dataset it reads is like."""
+    return f"'demo' ({demo}, offline) or a Hub dataset {hub}. Ignored when --train_file is given."
 
 
 @dataclass
 class DataArguments:
     """Where the examples come from. Each recipe extends it with its columns and lengths."""
+
+    # What --help says of a flag below in a recipe's words for its own data ({field: help}); the field, its default
+    # and its checks stay these (common.help.flag_help).
+    FLAG_HELP: ClassVar[dict[str, str]] = {}
 
     dataset_name: str = field(
         default="demo",
@@ -112,6 +137,16 @@ class RunArguments:
         },
     )
 
+    trick: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "A trick of your own: module:Class (a module importable from the working directory) or "
+            "path/to/file.py:Class, an nlp_tricks.Trick subclass passed to the trainer (repeatable). A class with "
+            "an argument dataclass (arguments = MyArgs, as the built-in tricks) gets its fields as flags, checked "
+            "by its validate(args) and built by from_args(args) if it has them (else Class(args) / Class()); "
+            "--help with --trick lists them."
+        },
+    )
     max_time: str | None = field(
         default=None,
         metadata={

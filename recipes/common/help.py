@@ -89,3 +89,12 @@ def describe_run_flags(actions: dict, evidence_defaults: dict, evidence_unless: 
             "optimizer step, save a complete checkpoint-N of it and exit with status 75; rerun with "
             "--resume_from_checkpoint true. On by default in the recipes; false lets the signal end the run at once."
         )
+
+
+def flag_help(dtype) -> dict[str, str]:
+    """The ``FLAG_HELP`` texts of a dataclass and of its bases (``{field: help}``), a subclass's winning over its
+    bases' as a redefined field would."""
+    merged: dict[str, str] = {}
+    for cls in reversed(dtype.__mro__):
+        merged.update(vars(cls).get("FLAG_HELP", {}))
+    return merged

@@ -46,7 +46,7 @@ def load_config_and_tokenizer(
     tokenizer are the demo model's (or ``tokenizer_name``'s), and :func:`load_weights` loads the file into it.
     """
     source = demo_model_path() if is_state_dict_file(model_name_or_path) else model_name_or_path
-    with one_line_load_errors(f"--model_name_or_path {model_name_or_path}"):
+    with one_line_load_errors(f"--model_name_or_path {model_name_or_path}", source):
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **config_kwargs)
     with one_line_load_errors(f"--tokenizer_name {tokenizer_name or source}"):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or source, trust_remote_code=trust_remote_code)
@@ -81,8 +81,14 @@ def load_weights(
     """``auto_cls.from_pretrained``; for a raw state-dict file, the model built from ``config`` with its weights.
 
     A model saved with a CRF (``--crf``: ``config.crf``, or ``crf.*`` keys in a state-dict file) comes back with it;
-    one saved with ``--pooling`` (``config.pooling``) with its pooling.
+    one saved with ``--pooling`` (``config.pooling``) with its pooling. Weights that do not load are one line naming
+    the file (:func:`one_line_load_errors`).
     """
+    with one_line_load_errors(f"--model_name_or_path {model_name_or_path}", model_name_or_path):
+        return _load_weights(auto_cls, model_name_or_path, config, trust_remote_code, ignore_mismatched_sizes)
+
+
+def _load_weights(auto_cls, model_name_or_path: str, config, trust_remote_code: bool, ignore_mismatched_sizes: bool):
     if is_state_dict_file(model_name_or_path):
         # Any checkpoint (DataParallel / DDP / compiled prefixes), any device, strict, with clear errors.
         model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
@@ -92,28 +98,25 @@ def load_weights(
         load_state_dict_portable(model, state)
         return model
     if getattr(config, "crf", False) and auto_cls is AutoModelForTokenClassification:
-        with one_line_load_errors(f"--model_name_or_path {model_name_or_path}"):
-            return load_crf_model(
-                model_name_or_path,
-                config=config,
-                trust_remote_code=trust_remote_code,
-                ignore_mismatched_sizes=ignore_mismatched_sizes,
-            )
-    if getattr(config, "pooling", None) is not None and auto_cls is AutoModelForSequenceClassification:
-        with one_line_load_errors(f"--model_name_or_path {model_name_or_path}"):
-            return load_pooled_model(
-                model_name_or_path,
-                config=config,
-                trust_remote_code=trust_remote_code,
-                ignore_mismatched_sizes=ignore_mismatched_sizes,
-            )
-    with one_line_load_errors(f"--model_name_or_path {model_name_or_path}"):
-        return auto_cls.from_pretrained(
+        return load_crf_model(
             model_name_or_path,
             config=config,
             trust_remote_code=trust_remote_code,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
         )
+    if getattr(config, "pooling", None) is not None and auto_cls is AutoModelForSequenceClassification:
+        return load_pooled_model(
+            model_name_or_path,
+            config=config,
+            trust_remote_code=trust_remote_code,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+        )
+    return auto_cls.from_pretrained(
+        model_name_or_path,
+        config=config,
+        trust_remote_code=trust_remote_code,
+        ignore_mismatched_sizes=ignore_mismatched_sizes,
+    )
 
 
 def model_holds_crf(model_name_or_path: str | None) -> bool:

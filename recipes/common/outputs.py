@@ -24,6 +24,7 @@ RUN_OUTPUTS = (
     "trainer_state.json",
     "training_args.bin",
     "config.json",
+    "README.md",  # the model card of a model with a CRF, a span head or a pooling
     *DESCRIPTION_FILES,
     "model*.safetensors",
     "model.safetensors.index.json",

@@ -16,8 +16,17 @@ from nlp_tricks.runtime.preemption import set_time_budget
 
 from .arguments import RunArguments
 from .config_file import flag_actions, is_config_file, read_config_file
-from .help import HelpFormatter, as_flags, describe_run_flags, description_of, group_arguments
+from .help import HelpFormatter, as_flags, describe_run_flags, description_of, flag_help, group_arguments
 from .process import warn
+from .threads import has_accelerator
+from .user_tricks import TrickError, attach_user_tricks, config_trick_specs, load_user_tricks, trick_specs
+
+# `--logging_steps` unless given: a share of the run's steps (the Trainer reads a value below 1 so), about 50 points
+# however long the run, so that a 30-step run on a user's file still plots its loss and learning rate.
+LOGGING_SHARE = 0.02
+# `--eval_steps` unless given, with `--eval_strategy steps`: the Trainer would take the logging interval (50
+# evaluations a run).
+EVAL_SHARE = 0.1
 
 
 def parse_recipe_args(
@@ -51,14 +60,20 @@ def parse_recipe_args(
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     evidence_defaults = evidence_defaults or {}
-    parser = recipe_parser(dataclass_types, recipe, description, evidence_defaults, evidence_unless)
+    tricks = _user_tricks(recipe, dataclass_types, argv)
+    trick_types = tuple(trick.arguments for trick in tricks if trick.arguments is not None)
+    parser = recipe_parser((*dataclass_types, *trick_types), recipe, description, evidence_defaults, evidence_unless)
     from_file = {}
     if argv and is_config_file(argv[0]):
-        from_file = read_config_file(parser, argv.pop(0), (*dataclass_types, RunArguments))
+        from_file = read_config_file(parser, argv.pop(0), (*dataclass_types, *trick_types, RunArguments))
     parser.set_defaults(**{**run_defaults(recipe, defaults), **from_file})
     namespace = parser.parse_args(argv)
     given = set(from_file) | flags_given(parser, argv)
     apply_dependent_defaults(namespace, dependent_defaults, given)
+    if getattr(namespace, "eval_steps", 0) is None and "logging_steps" not in given:
+        # --load_best_model_at_end saves at evaluations: a share cannot be kept a divisor of whole save steps.
+        whole_saves = namespace.load_best_model_at_end and namespace.save_steps >= 1
+        namespace.eval_steps = namespace.save_steps if whole_saves else EVAL_SHARE
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:
@@ -68,21 +83,40 @@ def parse_recipe_args(
     evidence_on = namespace.tricks == "default" and not (evidence_unless and getattr(namespace, evidence_unless))
     applied = {n: v for n, v in evidence_defaults.items() if evidence_on and n not in given}
     try:
-        return build_with_evidence_defaults(namespace, dataclass_types, applied)
+        parsed = build_with_evidence_defaults(namespace, (*dataclass_types, *trick_types), applied)
+        training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
+        attach_user_tricks(training_args, tricks, parsed[len(dataclass_types) :])
     except ValueError as err:
         parser.error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    return parsed[: len(dataclass_types)]
+
+
+def _user_tricks(recipe: str, dataclass_types: tuple, argv: list[str]) -> list:
+    """The ``--trick`` classes of the command line (else of its config file), loaded before the parser is built, as
+    their fields are flags; a bad one is one line and exit 2, as argparse's errors."""
+    specs = trick_specs(argv) or (config_trick_specs(argv[0]) if argv and is_config_file(argv[0]) else [])
+    taken = {f.name for dtype in (*dataclass_types, RunArguments) for f in dataclasses.fields(dtype)}
+    try:
+        return load_user_tricks(specs, taken)
+    except TrickError as err:
+        _exit_with(f"{recipe}.py", str(err))
 
 
 def run_defaults(recipe: str, defaults: dict | None) -> dict:
-    """Every recipe's defaults (its own ``defaults`` win): outputs/<recipe>, no reporting, training on, and a
-    checkpoint on preemption."""
+    """Every recipe's defaults (its own ``defaults`` win): outputs/<recipe>, no reporting, training on, a checkpoint
+    on preemption, the loss logged at the first step and then about 50 times a run, and no pinned memory without an
+    accelerator (where torch warns that it has nothing to pin for)."""
     defaults = {
         "output_dir": f"outputs/{recipe}",
         "report_to": "none",
         "do_train": True,
         "enable_jit_checkpoint": True,
+        "logging_steps": LOGGING_SHARE,
+        "logging_first_step": True,
         **(defaults or {}),
     }
+    if not has_accelerator():
+        defaults.setdefault("dataloader_pin_memory", False)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.
@@ -107,7 +141,11 @@ def recipe_parser(
     others = tuple(t for t in dataclass_types if t not in trainer_types)
     group_arguments(parser, (*others, RunArguments, *trainer_types))
     parser.error = functools.partial(_one_line_error, parser)
-    describe_run_flags(flag_actions(parser), evidence_defaults, evidence_unless)
+    actions = flag_actions(parser)
+    describe_run_flags(actions, evidence_defaults, evidence_unless)
+    for dtype in dataclass_types:
+        for name, text in flag_help(dtype).items():
+            actions[name].help = text
     for action in parser._actions:
         if action.type is float:
             action.type = finite_float
@@ -128,7 +166,12 @@ finite_float.__name__ = "float"  # argparse names the type in its message: "inva
 
 def _one_line_error(parser, message: str):
     """argparse's error without the usage block (hundreds of flags): the error and where to read about the flags."""
-    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+    _exit_with(parser.prog, message)
+
+
+def _exit_with(prog: str, message: str):
+    sys.stderr.write(f"{prog}: error: {message} (see {prog} --help)\n")
+    sys.exit(2)
 
 
 def flags_given(parser, argv: list[str]) -> set[str]:

@@ -3,65 +3,52 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from nlp_tricks.data import DataError
+from nlp_tricks.model_card import write_model_card
 from nlp_tricks.runtime.divergence import DIVERGED_EXIT_CODE, TrainingDivergedError
-from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError
-from nlp_tricks.runtime.lock import OutputDirBusyError
+from nlp_tricks.runtime.integrity import NO_SPACE_EXIT_CODE, NoSpaceLeftError, is_disk_full
+from nlp_tricks.runtime.lock import NotDistributedError, OutputDirBusyError
 from nlp_tricks.runtime.preemption import PREEMPTED_EXIT_CODE, describe_stop
-from nlp_tricks.runtime.resume import get_last_complete_checkpoint
+from nlp_tricks.runtime.resume import CheckpointResumeError, get_last_complete_checkpoint
 
 from .outputs import output_dir_locks, write_json_atomic
 from .process import is_main_process
-
-
-def use_every_core() -> None:
-    """Let a single CPU process use every core, unless the user chose a thread count.
-
-    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for one CPU process when the user set neither that variable nor
-    ``--num_cpu_threads_per_process``, which leaves all cores but one idle (the NER demo on 2 cores: 214 s on one
-    thread, 134 s on two). Only that case is changed, read from the launcher's own environment and command line.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or torch.cuda.is_available():
-        return
-    if os.environ.get("OMP_NUM_THREADS") != "1" or "ACCELERATE_MIXED_PRECISION" not in os.environ:
-        return
-    try:
-        parent = os.getppid()
-        launcher_env = Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
-        launcher_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return  # not Linux, or not readable: keep what the launcher set
-    user_chose = any(item.startswith(b"OMP_NUM_THREADS=") for item in launcher_env) or any(
-        item.startswith(b"--num_cpu_threads_per_process") for item in launcher_cmd
-    )
-    if not user_chose and b"launch" in launcher_cmd:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(cores)
+from .summary import print_summary
+from .threads import choose_threads
 
 
 def run_recipe(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`~nlp_tricks.data.DataError` or an ``--output_dir`` another run holds ends it with one
-    line on stderr and exit status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk
-    while saving a checkpoint with status 74 (``NO_SPACE_EXIT_CODE``).
+    """Run ``main`` with the torch threads :func:`choose_threads` picks; a :class:`~nlp_tricks.data.DataError`, an
+    ``--output_dir`` another run holds or a checkpoint that cannot be resumed ends it with one line on stderr and exit
+    status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk while saving with status 74
+    (``NO_SPACE_EXIT_CODE``).
 
-    Only rank 0 prints, so a launched job with N processes shows the line once. Nothing else is caught: a bug keeps
-    its traceback. The output folder's lock is released when ``main`` ends, however it ends.
+    Only rank 0 prints, so a launched job with N processes shows the line once; the refusal of a job whose arguments
+    are not distributed is printed by every process (each would have trained alone). Nothing else is caught: a bug
+    keeps its traceback. The output folder's lock is released when ``main`` ends, however it ends.
     """
-    use_every_core()
+    choose_threads()
     try:
         main()
-    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError) as err:
+    except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError, CheckpointResumeError) as err:
         if is_main_process():
             print(str(err), file=sys.stderr, flush=True)
         codes = {TrainingDivergedError: DIVERGED_EXIT_CODE, NoSpaceLeftError: NO_SPACE_EXIT_CODE}
         sys.exit(next((code for kind, code in codes.items() if isinstance(err, kind)), 1))
+    except NotDistributedError as err:  # every process says it, in one write: the lines of two do not mix
+        sys.stderr.write(f"{err}\n")
+        sys.stderr.flush()
+        sys.exit(1)
+    except OSError as err:  # a full disk outside a save that names its file (the trainer state, the results)
+        if not is_disk_full(err):
+            raise
+        if is_main_process():
+            print(f"no space left on device: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(NO_SPACE_EXIT_CODE)
     finally:
         while output_dir_locks:
             output_dir_locks.pop().release()
@@ -85,8 +72,9 @@ def train_evaluate_predict(
 ) -> dict:
     """The end of every recipe: train (``--resume_from_checkpoint`` honoured; skipped with ``--do_train false``), save
     the model and the Trainer state, evaluate on validation, predict on test (``write_test_predictions(output)`` on
-    rank 0, with the ``PredictionOutput``), then write ``all_results.json`` once, atomically, on rank 0. Returns the
-    results.
+    rank 0, with the ``PredictionOutput``), then write ``all_results.json`` once, atomically, on rank 0, and print
+    the run's summary there (the headline scores, where everything is, the commands that predict and plot). Returns
+    the results.
 
     ``split_metrics`` gives each split its own ``compute_metrics`` (the Trainer's is swapped in before that split
     is scored), for metrics that need the split's own data: every word of an NER sentence, the full reference
@@ -103,6 +91,7 @@ def train_evaluate_predict(
     results.update(record)
     if trainer.is_world_process_zero():
         write_json_atomic(Path(trainer.args.output_dir) / "all_results.json", results)
+        print_summary(results, trainer.args.output_dir, trained=trainer.args.do_train)
     return results
 
 
@@ -121,6 +110,8 @@ def _train(trainer, train_dataset) -> dict:
     train_result = trainer.train(resume_from_checkpoint=resume)
     exit_if_preempted(trainer)
     trainer.save_model()
+    if trainer.is_world_process_zero():  # a CRF, span head or pooling: how to load it so that it predicts as evaluated
+        write_model_card(args.output_dir, trainer.model.config)
     trainer.save_state()
     results = dict(train_result.metrics)
     if hasattr(train_dataset, "__len__"):  # a stream (pretraining's --streaming) has no length

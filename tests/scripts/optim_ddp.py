@@ -34,7 +34,7 @@ def settings() -> dict[str, dict]:
 
 
 def run(out: Path, name: str, per_device: int, trainer_cls=AllReduceCountingTrainer):
-    from nlp_tricks.tricks import Lookahead
+    from nlp_tricks.tricks.lookahead import LookaheadTrick
     from tiny import tricks_args
 
     args = tricks_args(
@@ -43,7 +43,7 @@ def run(out: Path, name: str, per_device: int, trainer_cls=AllReduceCountingTrai
     )  # fmt: skip
     trainer = trainer_cls(model=bert_seq_cls(), args=args, train_dataset=seq_cls_data(n=4 * STEPS))
     trainer.train()
-    slow = trainer.get_trick(Lookahead).slow
+    slow = trainer.get_trick(LookaheadTrick).slow
     tensors = model_weights(trainer)
     tensors.update({f"slow.{n}": s for n, s in zip(slow.names, slow.slow)})
     return trainer, tensors
