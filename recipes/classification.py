@@ -418,8 +418,10 @@ class ClassificationTask:
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "classification", data.text_column)
 
-    def load_model(self, model_args, labels: list[str], model_path: str):
-        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, model_path)
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None):
+        model, tokenizer, _ = load_classifier(
+            AutoModelForSequenceClassification, model_args, labels, model_path, training_args
+        )
         return model, tokenizer
 
     def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
@@ -539,7 +541,7 @@ def main() -> None:
     check_label_arguments(training_args, labels)
 
     # ---- Model ----
-    model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels)
+    model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, None, training_args)
     if data_args.multi_label:
         model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
     with training_args.main_process_first(desc="tokenizing the data"):

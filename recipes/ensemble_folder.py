@@ -35,6 +35,7 @@ import numpy as np
 
 from nlp_tricks.data import DataError
 
+from common.peft import ADAPTER_CONFIG
 from ensemble_ner import NerEnsembleTask, NerSpanEnsembleTask
 from ensemble_tasks import ClassificationEnsembleTask, EnsembleTask, MemberOutput
 
@@ -106,7 +107,8 @@ def read_manifest(folder: str | Path, recipe: str) -> dict:
     if not manifest["members"]:
         raise DataError(path, None, "the manifest names no members")
     for member in manifest["members"]:
-        if not (Path(folder) / member / "config.json").is_file():
+        # A model folder, or one holding an adapter saved alone (--peft lora --merge_lora false) with its base's path.
+        if not any((Path(folder) / member / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
             raise DataError(path, None, f"member {member!r}: no model in {Path(folder) / member}")
     return manifest
 

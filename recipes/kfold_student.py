@@ -140,7 +140,7 @@ def train_student(run: KFold, predicted: dict) -> dict:
         resolve_model_path(model_args.model_name_or_path),
         model_args,
         labels,
-        training_args.seed,
+        training_args,
     )
     dataset = self_training_task.tokenize(examples, tokenizer, label2id, data_args, train=True)
     column = self_training_task.teacher_logits(examples, teacher, dataset, tokenizer, label2id, data_args)

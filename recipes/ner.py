@@ -206,8 +206,10 @@ class NerTask:
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "ner", data.tokens_column)
 
-    def load_model(self, model_args, labels: list[str], model_path: str):
-        model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels, model_path)
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None):
+        model, tokenizer, config = load_classifier(
+            AutoModelForTokenClassification, model_args, labels, model_path, training_args
+        )
         prepare_ner_tokenizer(config, tokenizer)
         return model, tokenizer
 
@@ -311,7 +313,9 @@ def main() -> None:
 def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, training_args: TricksArguments) -> None:
     """The recipe with token tagging: a tag per word (a CRF over them with ``--crf true``)."""
     splits, labels, train_examples, eval_examples = _setup_tagged_data(data_args, training_args)
-    model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels)
+    model, tokenizer, config = load_classifier(
+        AutoModelForTokenClassification, model_args, labels, None, training_args
+    )
     prepare_ner_tokenizer(config, tokenizer)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_sets, truncation = tokenize_data(
@@ -356,7 +360,7 @@ def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_
     types, known_from = span_types(data_args, model_args)
     with training_args.main_process_first(desc="reading the data"):
         splits, types, train_examples, eval_examples = read_span_data(data_args, types, known_from)
-    model, tokenizer = load_span_classifier(model_args, types)
+    model, tokenizer = load_span_classifier(model_args, types, training_args)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_sets, truncation, most_words = tokenize_span_data(
             data_args, tokenizer, types, train_examples, eval_examples

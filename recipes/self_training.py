@@ -60,6 +60,7 @@ from common import (
     check_label_arguments,
     exit_if_preempted,
     is_main_process,
+    merge_trained_adapter,
     print_summary,
     resolve_model_path,
     run_recipe,
@@ -97,8 +98,9 @@ class SelfTrainingTask(Protocol):
 
     def read_unlabeled(self, path: str, data) -> list[dict]: ...
 
-    def load_model(self, model_args, labels: list[str], model_path: str) -> tuple:
-        """``(model, tokenizer)`` with a fresh head over ``labels``."""
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None) -> tuple:
+        """``(model, tokenizer)`` with a fresh head over ``labels``, ready to train with ``training_args`` (a LoRA
+        adapter with ``--peft lora``)."""
 
     def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset: ...
 
@@ -256,9 +258,9 @@ def setup_data(task: SelfTrainingTask, data: SelfTrainingDataArguments) -> dict:
 # ---- Model, training, evaluation ---------------------------------------------------------------------------------
 
 
-def build_model(task: SelfTrainingTask, model_path: str, model_args, labels: list[str], seed: int):
-    set_seed(seed)  # the fresh classifier head of every stage starts from the same seed
-    return task.load_model(model_args, labels, model_path)
+def build_model(task: SelfTrainingTask, model_path: str, model_args, labels: list[str], training_args):
+    set_seed(training_args.seed)  # the fresh classifier head of every stage starts from the same seed
+    return task.load_model(model_args, labels, model_path, training_args)
 
 
 def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, eval_sets, training_args, output_dir):
@@ -278,6 +280,7 @@ def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, 
     )
     train_result = trainer.train()
     exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---
+    merge_trained_adapter(trainer)  # --peft lora --merge_lora true: the stage is saved and scored merged
     trainer.save_model()
     metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
     for split, prefix in (("validation", "eval"), ("test", "test")):
@@ -346,7 +349,7 @@ def train_teacher(task: SelfTrainingTask, data, data_args, model_args, training_
     labels = data["labels"]
     label2id = {label: i for i, label in enumerate(labels)}
     model, tokenizer = build_model(
-        task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args.seed
+        task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args
     )
     labelled_dataset = task.tokenize(data["labelled"], tokenizer, label2id, data_args, train=True)
     model, accelerator, metrics = train_and_evaluate(
@@ -392,7 +395,7 @@ def run_round(
         pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
 
     student_path = resolve_model_path(model_args.student_model_name_or_path or model_args.model_name_or_path)
-    model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
+    model, tokenizer = build_model(task, student_path, model_args, labels, training_args)
     train_dataset = student_dataset(
         task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
     )

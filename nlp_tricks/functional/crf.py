@@ -433,11 +433,13 @@ def add_crf(model: nn.Module, *, bio_constraints: bool = False) -> CRF:
             f"crf needs a token classification model with config.num_labels; {type(model).__name__} has none"
         )
     crf = getattr(model, "crf", None)
+    # A CRF that trains beside a PEFT adapter sits in PEFT's modules_to_save wrapper, which forwards to its copy.
+    found = getattr(crf, "original_module", crf)
     if crf is None:
         param = next(model.parameters(), None)
         crf = CRF(num_labels).to(param.device if param is not None else "cpu")
         model.add_module("crf", crf)
-    elif not isinstance(crf, CRF) or crf.num_tags != num_labels:
+    elif not isinstance(found, CRF) or found.num_tags != num_labels:
         raise ValueError(
             f"{type(model).__name__}.crf is {crf!r}, not a CRF over config.num_labels={num_labels} tags; remove it or "
             "rename the attribute"

@@ -3,6 +3,7 @@ with Viterbi. Its math is in :mod:`nlp_tricks.crf`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,11 @@ class CRFTrick(BuiltInTrick):
         return ["crf=True"]
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
+        if unwrap_model(model, peft=True) is not unwrap_model(model) and getattr(model, "crf", None) is None:
+            raise ValueError(
+                "crf=True cannot be added to a PEFT model after wrapping (its adapter would not save it): call "
+                "nlp_tricks.crf.add_crf(model) first, then get_peft_model with 'crf' in modules_to_save"
+            )
         add_crf(model, bio_constraints=self.args.crf_bio_constraints)
         self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
 
@@ -111,10 +117,19 @@ class CRFTrick(BuiltInTrick):
         return labels.ne(-100).any(dim=-1).sum()
 
     def param_group_options(self, trainer, model: nn.Module) -> dict:
-        if not isinstance(getattr(model, "crf", None), CRF):
+        # `crf`, or under PEFT `base_model.model.crf` (its modules_to_save wrapper, whose trained copy is the CRF).
+        name = next(
+            (
+                name
+                for name, module in model.named_modules()
+                if name.rsplit(".", 1)[-1] == "crf" and isinstance(getattr(module, "original_module", module), CRF)
+            ),
+            None,
+        )
+        if name is None:
             return {}
         # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
-        return {"no_decay": (r"^crf\.",), "module_lr_scales": {"crf": self.args.crf_lr_scale}}
+        return {"no_decay": (rf"^{re.escape(name)}\.",), "module_lr_scales": {name: self.args.crf_lr_scale}}
 
     def adjust_predictions(self, trainer, inputs, logits):
         """The Viterbi paths as one-hot scores at the labelled positions (argmax of the logits elsewhere), so

@@ -16,6 +16,7 @@ from nlp_tricks.runtime.preemption import PREEMPTED_EXIT_CODE, describe_stop
 from nlp_tricks.runtime.resume import CheckpointResumeError, get_last_complete_checkpoint
 
 from .outputs import output_dir_locks, write_json_atomic
+from .peft import merge_trained_adapter
 from .process import is_main_process
 from .summary import print_summary
 from .threads import choose_threads
@@ -109,6 +110,7 @@ def _train(trainer, train_dataset) -> dict:
         )
     train_result = trainer.train(resume_from_checkpoint=resume)
     exit_if_preempted(trainer)
+    merge_trained_adapter(trainer)  # --peft lora --merge_lora true: saved, evaluated and predicting merged
     trainer.save_model()
     if trainer.is_world_process_zero():  # a CRF, span head or pooling: how to load it so that it predicts as evaluated
         write_model_card(args.output_dir, trainer.model.config)
