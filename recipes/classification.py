@@ -92,6 +92,7 @@ from common import (
     warn,
 )
 from ensemble_folder import predict_with_ensemble
+from teacher import with_teacher
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {**ENCODER_DEFAULTS, "learning_rate": 1e-4}
@@ -159,6 +160,15 @@ class ClassificationDataArguments(DataArguments):
         default=128,
         metadata={
             "help": "Tokens per text (per pair with --text_pair_column) after tokenization; longer are truncated."
+        },
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distil a teacher: a model folder, an ensemble folder or a k-fold run (recipes/kfold.py: "
+            "out-of-fold targets for the rows it trained on) over the same labels, of any architecture and "
+            "tokenizer. Its soft target per text (its class probabilities) is each training example's "
+            "teacher_logits (--distill_temperature, --distill_alpha). See docs/recipes.md, K-fold ensembles."
         },
     )
 
@@ -549,6 +559,10 @@ def main() -> None:
             data_args, tokenizer, labels, train_examples, eval_examples
         )
     predict, split_metrics = _setup_metrics(data_args, labels, eval_datasets)
+    train_dataset, collator = with_teacher(  # --teacher: soft targets (teacher_logits) on every training example
+        "classification", (data_args, model_args, training_args), labels, train_examples, train_dataset, tokenizer,
+        DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+    )  # fmt: skip
     trainer = build_trainer(
         TricksTrainer,
         training_args,
@@ -556,7 +570,7 @@ def main() -> None:
         eval_datasets,
         model=model,
         processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
+        data_collator=collator,
         compute_metrics=split_metrics.get("validation"),
         preprocess_logits_for_metrics=predict,
     )

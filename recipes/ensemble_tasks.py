@@ -49,6 +49,27 @@ def member_logits(model, tokenizer, dataset, collator, args):
     return own_rows(predictions, n), labels
 
 
+def check_member_labels(folder: Path, labels: list[str]) -> None:
+    """Refuse a member whose saved labels (``config.json``'s ``id2label``, in id order) are not the ensemble's:
+    loading it over the ensemble's labels would rename its outputs. One ``DataError`` line naming the member and
+    both label lists."""
+    import json
+
+    from nlp_tricks.data import DataError
+
+    path = Path(folder) / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8")).get("id2label")
+    except (OSError, ValueError) as err:
+        raise DataError(path, None, f"cannot read the member's config ({err})") from None
+    if saved is None:
+        return  # no labels saved: nothing to contradict (the ensemble's are given to it)
+    ordered = [saved[key] for key in sorted(saved, key=int)]
+    if ordered != list(labels):
+        raise DataError(path, None, f"member {Path(folder).name}: its labels {ordered} are not the ensemble's "
+                        f"{list(labels)}; train every member over the same labels")  # fmt: skip
+
+
 def _predict_only(data_cls):
     """``data_cls`` without its "validation_file / test_file need a train_file" check: an ensemble predicts files
     without training data."""
@@ -146,6 +167,7 @@ class ClassificationEnsembleTask(EnsembleTask):
 
         from common import load_classifier
 
+        check_member_labels(folder, labels)
         member_args = dataclasses.replace(model_args, tokenizer_name=None, ignore_mismatched_sizes=False)
         model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, member_args, labels, str(folder))
         return model, tokenizer

@@ -128,6 +128,7 @@ from ner_spans import (
     span_types,
     tokenize_span_data,
 )
+from teacher import check_teacher, with_teacher
 
 # What other recipes, the k-fold ensembles and the tests read of this recipe; the code lives in ner_data.py (tagged
 # data), ner_spans.py (--span_head) and ner_outputs.py (metrics and prediction files).
@@ -302,8 +303,10 @@ def main() -> None:
         dependent_defaults=[saved_span_defaults("model_name_or_path")],
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
+        evidence_unless="teacher",  # the CRF takes no per-token teacher_logits
         saved_crf_models=("model_name_or_path",),  # a model trained with --crf stays a CRF
     )
+    check_teacher(data_args, training_args, "ner")
     if training_args.span_head is not None:
         span_main(data_args, model_args, training_args)
     else:
@@ -329,9 +332,13 @@ def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, traini
         path = Path(training_args.output_dir) / "test_predictions.txt"
         write_predictions(path, eval_sets["test"], word_tags, scheme)
 
+    train_dataset, collator = with_teacher(  # --teacher: soft targets (teacher_logits) on every training word
+        "ner", (data_args, model_args, training_args), labels, train_examples, train_dataset, tokenizer,
+        DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
+    )  # fmt: skip
     _train_and_report(
         training_args,
-        (model, tokenizer, DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)),
+        (model, tokenizer, collator),
         (train_dataset, eval_sets, split_metrics),
         {**data_record(splits, labels), **truncation},
         write_test_predictions,

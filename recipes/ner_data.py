@@ -83,6 +83,16 @@ class NerDataArguments(DataArguments):
             "its first sub-token."
         },
     )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distil a teacher: a model folder, an ensemble folder or a k-fold run (recipes/kfold.py: "
+            "out-of-fold targets for the rows it trained on) over the same labels, of any architecture and "
+            "tokenizer. Its soft target per word (its tag distribution) is each training example's teacher_logits "
+            "(--distill_temperature, --distill_alpha); the CRF is off by default with it. See docs/recipes.md, "
+            "K-fold ensembles."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()

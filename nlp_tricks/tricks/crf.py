@@ -12,8 +12,8 @@ from torch import nn
 from ..functional.crf import CRF, add_crf, compact, expand
 from ..functional.models import unwrap_model
 from ..functional.outputs import output_logits
-from ..trick import LossBatch, LossInForward
-from .base import BuiltInTrick
+from ..trick import LossInForward
+from .base import HeadLossTrick
 
 __all__ = ["CRFTrick", "CRFHead", "CRFArguments"]
 
@@ -44,17 +44,14 @@ class CRFArguments:
     )
 
 
-class CRFTrick(BuiltInTrick):
+class CRFTrick(HeadLossTrick):
     """``crf``: attaches ``model.crf``; the loss (per sentence) is computed inside the model's forward by a hook, as
     a built-in CRF head would, so DDP / FSDP see its scores used; predictions are the Viterbi paths."""
 
     arguments = CRFArguments
+    flag = "crf"
     order = 400
     changes_loss = True
-
-    def __init__(self, args):
-        super().__init__(args)
-        self._hook: LossInForward | None = None
 
     @classmethod
     def enabled(cls, args) -> bool:
@@ -78,14 +75,6 @@ class CRFTrick(BuiltInTrick):
             )
         add_crf(model, bio_constraints=self.args.crf_bio_constraints)
         self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
-
-    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
-        if batch.teacher_logits is not None:
-            raise ValueError("crf does not apply to batches with teacher_logits (distillation)")
-        return batch
-
-    def forward_context(self, trainer, batch: LossBatch):
-        return self._hook.computing(batch)
 
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         return self.crf_loss(trainer.model, logits, labels, num_items_in_batch)
