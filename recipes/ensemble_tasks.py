@@ -58,11 +58,15 @@ def check_member_labels(folder: Path, labels: list[str]) -> None:
     from nlp_tricks.data import DataError
 
     path = Path(folder) / "config.json"
+    if not path.is_file() and (Path(folder) / "adapter_config.json").is_file():
+        # A LoRA adapter (--merge_lora false): its head's labels are the run's label_list in all_results.json.
+        path = Path(folder) / "all_results.json"
     try:
-        saved = json.loads(path.read_text(encoding="utf-8")).get("id2label")
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise DataError(path, None, f"cannot read the member's config ({err})") from None
-    if saved is None:
+        raise DataError(path, None, f"cannot read the member's {path.name} ({err})") from None
+    saved = record.get("id2label") if path.name == "config.json" else dict(enumerate(record.get("label_list") or []))
+    if not saved:
         return  # no labels saved: nothing to contradict (the ensemble's are given to it)
     ordered = [saved[key] for key in sorted(saved, key=int)]
     if ordered != list(labels):

@@ -482,3 +482,18 @@ def test_rules_of_several_runs_average_their_parameters(run, tmp_path):
     assert both["temperature"] == pytest.approx(np.sqrt(alone[0]["temperature"] * alone[1]["temperature"]))
     assert both["bias"] == pytest.approx([(a + b) / 2 for a, b in zip(alone[0]["bias"], alone[1]["bias"])])
     assert both["runs"] == [str(r) for r in runs]
+
+
+def test_an_adapter_member_is_checked_against_its_runs_label_list(tmp_path):
+    """A LoRA adapter folder (--merge_lora false) has no config.json: its labels are all_results.json's label_list."""
+    from nlp_tricks.data import DataError
+
+    from ensemble_tasks import check_member_labels
+
+    member = tmp_path / "fold0"
+    member.mkdir()
+    (member / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base"}))
+    (member / "all_results.json").write_text(json.dumps({"label_list": ["animal", "work"]}))
+    check_member_labels(member, ["animal", "work"])
+    with pytest.raises(DataError, match=r"member fold0: its labels \['animal', 'work'\] are not the ensemble's"):
+        check_member_labels(member, ["work", "animal"])
