@@ -7,9 +7,9 @@
 #       --train_file /data/train.conll --validation_file /data/dev.conll --output_dir /outputs/ner
 #   docker run --gpus all --rm --entrypoint bash nlp-tricks scripts/gpu_check.sh
 #
-# Needs the NVIDIA container toolkit on the host (README, "Running in Docker"). Two stages: the first builds a virtual
-# environment (with compilers, for any source distribution); the second holds only the CUDA runtime, Python and that
-# environment.
+# Needs the NVIDIA container toolkit on the host (docs/gpu.md, "Running in Docker"). Two stages: the first builds a
+# virtual environment (with compilers, for any source distribution); the second holds only the CUDA runtime, Python and
+# that environment.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 # The PyTorch wheel index of a CUDA version the base image and the host's driver support (cu128: driver >= 570, or an
 # older driver through CUDA's minor-version compatibility).

@@ -14,6 +14,9 @@ _TARGET = "transformers.pipelines"
 
 
 def _register() -> None:
+    pipelines = sys.modules.get("nlp_tricks.pipelines")
+    if pipelines is not None and not hasattr(pipelines, "register"):
+        return  # nlp_tricks.pipelines is being imported (it imports transformers.pipelines): it registers at its end
     try:
         from .pipelines import register
 

@@ -19,7 +19,8 @@ Each rule takes what every member predicted and returns the ensemble's predictio
   :func:`nlp_tricks.functional.spans.decode_spans` as the members were trained (every span above 0, or the best flat
   set); :func:`vote_spans` is the vote over their spans, nested or flat.
 
-Entities follow seqeval's default mode (conlleval): see :func:`entity_spans`.
+Entities are read and written by :mod:`nlp_tricks.data.schemes` (seqeval's default mode, conlleval): see
+:func:`entity_spans`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from .data import schemes
+from .data.schemes import split_tag, tags_to_spans
 
 __all__ = [
     "softmax",
@@ -212,43 +216,36 @@ def crf_marginals(emissions: np.ndarray, start: np.ndarray, transitions: np.ndar
 # ---- Entities and votes ---------------------------------------------------------------------------------------------
 
 
-def _split_tag(tag: str) -> tuple[str, str]:
-    """``(prefix, type)`` of a tag: ``B-PER`` -> ``("B", "PER")``; ``O`` -> ``("O", "")``; a tag without a prefix
-    (``PER``) is inside an entity of its own type."""
-    if tag == "O" or not tag:
-        return "O", ""
-    if len(tag) > 2 and tag[1] == "-" and tag[0] in "BIESLU":
-        return tag[0], tag[2:]
-    return "I", tag
+# The schemes spans_to_tags writes (vote_entities' ``scheme``), by their nlp_tricks.data.schemes names.
+_SCHEMES = {"BIO": "iob2", "BIOES": "bioes", "BILOU": "bilou", "BMES": "bmes"}
+
+
+def _prefixed(tag: str) -> str:
+    """``tag`` as :mod:`nlp_tricks.data.schemes` reads it: a tag without a prefix (``PER``, a model's own label) is
+    inside an entity of its own type, an empty one is ``O``."""
+    try:
+        split_tag(tag)
+    except ValueError:
+        return f"I-{tag}" if tag else "O"
+    return tag
 
 
 def entity_spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-    """The entities of a tag sequence as ``(type, first word, last word)``, in seqeval's default mode (conlleval).
+    """The entities of a tag sequence as ``(type, first word, last word)``, in seqeval's default mode (conlleval):
+    :func:`nlp_tricks.data.schemes.tags_to_spans`, the one rule of every scheme (IOB1, IOB2, BIOES, BMES, BILOU).
 
     An entity ends before an ``O``, a ``B-`` / ``S-`` (``U-``), a change of type, and after an ``E-`` / ``S-``
     (``L-`` / ``U-``); an ``I-`` / ``E-`` that follows ``O`` or another type opens one.
     """
-    spans = []
-    kind, begin = None, None
-    previous_prefix = "O"
-    for i, tag in enumerate([*tags, "O"]):
-        prefix, entity = _split_tag(tag)
-        ends = kind is not None and (
-            prefix in "OBSU" or entity != kind or previous_prefix in "ESLU"
-        )  # the open entity stops before this tag
-        if ends:
-            spans.append((kind, begin, i - 1))
-            kind = None
-        if prefix != "O" and kind is None:
-            kind, begin = entity, i
-        previous_prefix = prefix
-    return spans
+    return [(kind, start, end - 1) for kind, start, end in tags_to_spans([_prefixed(tag) for tag in tags])]
 
 
 def tag_scheme(labels: Sequence[str]) -> str:
-    """``"BIOES"`` when the labels hold ``E-`` or ``S-`` tags (``"BILOU"`` for ``L-`` / ``U-``), else ``"BIO"``: the
-    scheme :func:`spans_to_tags` writes entities in."""
-    prefixes = {_split_tag(label)[0] for label in labels}
+    """``"BIOES"`` when the labels hold ``E-`` or ``S-`` tags (``"BILOU"`` for ``L-`` / ``U-``, ``"BMES"`` for
+    ``M-``), else ``"BIO"``: the scheme :func:`spans_to_tags` writes entities in."""
+    prefixes = {split_tag(_prefixed(label))[0] for label in labels}
+    if "M" in prefixes:
+        return "BMES"
     if prefixes & {"E", "S"}:
         return "BIOES"
     if prefixes & {"L", "U"}:
@@ -257,23 +254,12 @@ def tag_scheme(labels: Sequence[str]) -> str:
 
 
 def spans_to_tags(spans: Sequence[tuple[str, int, int]], length: int, scheme: str = "BIO") -> list[str]:
-    """The tags of ``length`` words holding the given non-overlapping entities, in ``scheme`` (BIO / IOB2, BIOES or
-    BILOU); every other word is ``O``."""
-    if scheme not in ("BIO", "BIOES", "BILOU"):
-        raise ValueError(f"scheme={scheme!r} is not allowed; choose 'BIO', 'BIOES' or 'BILOU'")
-    tags = ["O"] * length
-    last, single = {"BIOES": ("E", "S"), "BILOU": ("L", "U")}.get(scheme, ("I", "B"))
-    for kind, first, final in spans:
-        if any(tag != "O" for tag in tags[first : final + 1]):
-            raise ValueError(f"entity {(kind, first, final)} overlaps another")
-        if first == final:
-            tags[first] = f"{single}-{kind}"
-            continue
-        tags[first] = f"B-{kind}"
-        for i in range(first + 1, final):
-            tags[i] = f"I-{kind}"
-        tags[final] = f"{last}-{kind}"
-    return tags
+    """The tags of ``length`` words holding the given non-overlapping entities ``(type, first word, last word)``, in
+    ``scheme`` (BIO / IOB2, BIOES, BILOU or BMES); every other word is ``O``
+    (:func:`nlp_tricks.data.schemes.spans_to_tags`)."""
+    if scheme not in _SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is not allowed; choose 'BIO', 'BIOES', 'BILOU' or 'BMES'")
+    return schemes.spans_to_tags([(kind, first, last + 1) for kind, first, last in spans], length, _SCHEMES[scheme])
 
 
 def vote_entities(member_tags: Sequence[Sequence[str]], threshold: float, scheme: str = "BIO") -> list[str]:

@@ -75,8 +75,11 @@ def with_tricks(host: type) -> type:
         "__qualname__": f"{host.__name__}WithTricks",
         "__doc__": f"``{host.__module__}.{host.__name__}`` with nlp_tricks' tricks (:func:`nlp_tricks.with_tricks`).",
     }
-    # _TricksStep sits below the host: a trick that takes the step runs inside the host's own training_step.
-    return type(f"{host.__name__}WithTricks", (HostedTricks, TricksTrainer, host, _TricksStep), namespace)
+    # _TricksStep sits below the host: a trick that takes the step runs inside the host's own training_step. Trainer
+    # itself wraps nothing around upstream's step (and _TricksStep, a Trainer, cannot sit below it): TricksTrainer's
+    # training_step runs the trick there.
+    below = () if host is Trainer else (_TricksStep,)
+    return type(f"{host.__name__}WithTricks", (HostedTricks, TricksTrainer, host, *below), namespace)
 
 
 class _HostedArguments:
@@ -191,7 +194,7 @@ class HostedTricks:
     def call_tricks(self, hook: str, *args, **kwargs):
         """TricksTrainer's dispatch, but for ``training_step``: the trick that takes the step runs below the host's
         own ``training_step`` (:class:`_TricksStep`), so what the host does around the step still happens."""
-        if hook == "training_step":
+        if hook == "training_step" and isinstance(self, _TricksStep):  # with_tricks(Trainer): upstream's own place
             return None
         return super().call_tricks(hook, *args, **kwargs)
 

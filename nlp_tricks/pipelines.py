@@ -251,3 +251,6 @@ def register() -> None:
     for task, (pipeline_class, loader) in _TASKS.items():
         entry = PIPELINE_REGISTRY.supported_tasks[task]
         PIPELINE_REGISTRY.supported_tasks[task] = {**entry, "impl": pipeline_class, "pt": (loader,)}
+
+
+register()  # importing this module is what `import nlp_tricks` does once transformers' pipelines load

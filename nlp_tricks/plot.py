@@ -3,21 +3,35 @@
     nlp-tricks plot OUTPUT_DIR
 
 Writes ``loss.png``, ``eval.png``, ``learning_rate.png`` and ``teacher_forcing.png`` (each only when the log has
-such values) next to the ``trainer_state.json`` it read. ``eval.png`` shows the scores (F1, precision, recall,
-accuracy, ROUGE, ...; never support counts), per-entity F1 of NER runs in a panel of its own, and metrics on another
-scale (``gen_len``) in a third. A self-training output folder gets ``self_training.png`` (teacher and students by
-round, and the pseudo-labels) and the plots of each stage's ``round_<r>/{teacher,student}`` folder. Needs matplotlib
-(``pip install "nlp-tricks[plot]"``).
+such values) next to the ``trainer_state.json`` it read; a series the run did not log is named, with the reason, in
+the notes (``nlp-tricks plot`` prints them) and, for the training loss, in ``loss.png`` itself. ``eval.png`` shows
+the scores (F1, precision, recall, accuracy, ROUGE, ...; never support counts), per-entity F1 of NER runs in a panel
+of its own, and metrics on another scale (``gen_len``) in a third; each curve of a panel has its own marker, hollow
+and smaller than the one before, so curves that coincide (entity types stuck at 0) stay visible. A self-training
+output folder gets ``self_training.png`` (teacher and students by round, and the pseudo-labels) and the plots of each
+stage's ``round_<r>/{teacher,student}`` folder. Needs matplotlib (``pip install "nlp-tricks[plot]"``).
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
-__all__ = ["find_trainer_state", "plot_run", "plot_trainer_state", "plot_self_training", "eval_panels"]
+__all__ = [
+    "curve_style",
+    "eval_panels",
+    "find_trainer_state",
+    "missing_series",
+    "plot_run",
+    "plot_self_training",
+    "plot_trainer_state",
+]
 
 _NOT_METRICS = ("runtime", "per_second", "epoch", "step")
+# The curves of one panel: marker shapes and line styles in turn, each marker smaller than the one before.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+_LINE_STYLES = ("-", "--", "-.", ":")
 SELF_TRAINING_RESULTS = "self_training_results.json"
 # The per-entity numbers of an NER run (nlp_tricks' recipes: eval_<TYPE>_<name>); `number` is the support count.
 _ENTITY_NAMES = ("precision", "recall", "f1", "number")
@@ -50,7 +64,7 @@ def _read_json(path: Path):
         raise ValueError(f"{path}: cannot read it as JSON ({str(err).splitlines()[0]})") from None
 
 
-def _read_log_history(path: Path) -> list[dict]:
+def _read_state(path: Path) -> dict:
     state = _read_json(path)
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
@@ -58,7 +72,7 @@ def _read_log_history(path: Path) -> list[dict]:
             f"{path}: not a trainer state (no 'log_history' list); give a run's output_dir, a checkpoint-N folder, "
             f"its trainer_state.json or a self-training output_dir"
         )
-    return history
+    return state
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -86,6 +100,17 @@ def _figure(title: str, ylabel: str):
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     return fig, ax
+
+
+def curve_style(index: int, count: int) -> dict:
+    """The marker, its size and the line style of curve ``index`` of ``count`` in one panel: every curve is told
+    apart where they coincide (hollow markers, each smaller than the one before, so they nest)."""
+    return {
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "markersize": 3.5 + 6.0 * (count - 1 - index) / max(count - 1, 1),
+        "fillstyle": "none" if count > 1 else "full",
+        "linestyle": _LINE_STYLES[index % len(_LINE_STYLES)],
+    }
 
 
 def _save(fig, ax, path: Path, written: list[Path]) -> None:
@@ -139,9 +164,13 @@ def _plot_eval(history: list[dict], path: Path, written: list[Path]) -> None:
     fig, axes = plt.subplots(len(shown), 1, figsize=(8, 3.2 * len(shown)), dpi=110, sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], shown):
         title, ylabel = titles[name]
-        for key in panels[name]:
-            label = key.removeprefix("eval_").removesuffix("_f1") if name == "entity_f1" else key
-            ax.plot(*_series(history, key), label=label, marker="o")
+        for i, key in enumerate(panels[name]):
+            steps, values = _series(history, key)
+            # An entity type's last F1 in its label: the legend tells the types apart where their curves coincide.
+            label = key
+            if name == "entity_f1":
+                label = f"{key.removeprefix('eval_').removesuffix('_f1')} ({values[-1]:.2f})"
+            ax.plot(steps, values, label=label, **curve_style(i, len(panels[name])))
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -153,35 +182,29 @@ def _plot_eval(history: list[dict], path: Path, written: list[Path]) -> None:
     _write(fig, path, written)
 
 
-def plot_trainer_state(state_path: str | Path) -> list[Path]:
-    """Draw the plots of one ``trainer_state.json`` next to it; returns the PNG paths written."""
+def plot_trainer_state(state_path: str | Path, notes: list[str] | None = None) -> list[Path]:
+    """Draw the plots of one ``trainer_state.json`` next to it; returns the PNG paths written. A series the run did
+    not log (training loss, learning rate, evaluation) is added to ``notes`` with the reason."""
     state_path = Path(state_path)
-    history = _read_log_history(state_path)
+    state = _read_state(state_path)
+    history = state["log_history"]
     keys = {k for entry in history for k in entry}
-    out, written = state_path.parent, []
+    out, written, missing = state_path.parent, [], missing_series(state)
+    if notes is not None:
+        notes += [f"{state_path}: {note}" for note in missing.values()]
 
     loss_keys = [k for k in ("loss", "loss_clean", "loss_adv", "eval_loss") if k in keys]
     if loss_keys:
         fig, ax = _figure("Loss", "loss")
         for key in loss_keys:
             ax.plot(*_series(history, key), label=key, marker="o" if key == "eval_loss" else None)
+        if "loss" in missing:
+            note = "\n".join(textwrap.wrap(missing["loss"], 110))
+            ax.text(0.01, 0.02, note, transform=ax.transAxes, fontsize=7, va="bottom")
         _save(fig, ax, out / "loss.png", written)
 
     _plot_eval(history, out / "eval.png", written)
-
-    lr_keys = sorted(k for k in keys if k.startswith("lr/")) or (["learning_rate"] if "learning_rate" in keys else [])
-    if lr_keys:
-        fig, ax = _figure("Learning rate per parameter group", "learning rate")
-        firsts = []
-        for key in lr_keys:
-            steps, values = _series(history, key)
-            ax.plot(steps, values, label=key)
-            firsts += values[:1]
-        # A 10x head rate would flatten the layer-wise decay of the body's groups to one line: spread them out.
-        if len(firsts) > 1 and min(firsts) > 0 and max(firsts) / min(firsts) > 3:
-            ax.set_yscale("log")
-            ax.set_ylabel("learning rate (log scale)")
-        _save(fig, ax, out / "learning_rate.png", written)
+    _plot_learning_rates(history, keys, out / "learning_rate.png", written)
 
     if "teacher_forcing_ratio" in keys:
         fig, ax = _figure("Scheduled sampling", "teacher-forcing ratio")
@@ -189,6 +212,45 @@ def plot_trainer_state(state_path: str | Path) -> list[Path]:
         ax.set_ylim(-0.05, 1.05)
         _save(fig, ax, out / "teacher_forcing.png", written)
     return written
+
+
+def missing_series(state: dict) -> dict[str, str]:
+    """The series a trainer state lacks though its run trained, each with the reason: ``loss`` (and with it the
+    learning rate, logged together every ``logging_steps``) and ``eval`` (no evaluation during training)."""
+    history = state.get("log_history") or []
+    steps = state.get("global_step") or max((e.get("step", 0) for e in history), default=0)
+    if not steps:
+        return {}
+    keys = {k for entry in history for k in entry}
+    missing = {}
+    if "loss" not in keys:
+        every = state.get("logging_steps")
+        why = f"logged every {every} steps, the run had {steps}" if isinstance(every, int | float) else "not logged"
+        missing["loss"] = (
+            f"no training loss in the log ({why}): rerun with a smaller --logging_steps, or leave it out (the "
+            "recipes log about 50 times a run, the first step too)"
+        )
+        missing["learning_rate"] = "no learning rate in the log either (it is logged with the training loss)"
+    if not any(k.startswith("eval_") for k in keys):
+        missing["eval"] = "no evaluation in the log (--eval_strategy no, or no validation data): no eval.png"
+    return missing
+
+
+def _plot_learning_rates(history: list[dict], keys: set[str], path: Path, written: list[Path]) -> None:
+    lr_keys = sorted(k for k in keys if k.startswith("lr/")) or (["learning_rate"] if "learning_rate" in keys else [])
+    if not lr_keys:
+        return
+    fig, ax = _figure("Learning rate per parameter group", "learning rate")
+    firsts = []
+    for key in lr_keys:
+        steps, values = _series(history, key)
+        ax.plot(steps, values, label=key)
+        firsts += values[:1]
+    # A 10x head rate would flatten the layer-wise decay of the body's groups to one line: spread them out.
+    if len(firsts) > 1 and min(firsts) > 0 and max(firsts) / min(firsts) > 3:
+        ax.set_yscale("log")
+        ax.set_ylabel("learning rate (log scale)")
+    _save(fig, ax, path, written)
 
 
 def plot_self_training(results_path: str | Path) -> list[Path]:
@@ -243,9 +305,10 @@ def plot_self_training(results_path: str | Path) -> list[Path]:
     return written
 
 
-def plot_run(output_dir: str | Path) -> list[Path]:
+def plot_run(output_dir: str | Path, notes: list[str] | None = None) -> list[Path]:
     """Draw the plots of one run (an output folder, a checkpoint, a ``trainer_state.json``, or a self-training
-    output folder / its ``self_training_results.json``); returns the PNG paths written.
+    output folder / its ``self_training_results.json``); returns the PNG paths written, and adds to ``notes`` the
+    series a run did not log, with the reason.
 
     Raises ``FileNotFoundError`` when there is nothing to read and ``ValueError`` (one line naming the file) for a
     file that is not a trainer state or self-training results.
@@ -259,6 +322,6 @@ def plot_run(output_dir: str | Path) -> list[Path]:
     if results.is_file():
         written = plot_self_training(results)
         for stage in sorted(results.parent.glob("round_*/*/trainer_state.json")):
-            written += plot_trainer_state(stage)
+            written += plot_trainer_state(stage, notes)
         return written
-    return plot_trainer_state(find_trainer_state(path))
+    return plot_trainer_state(find_trainer_state(path), notes)

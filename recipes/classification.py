@@ -119,6 +119,7 @@ from common import (
     warn,
 )
 from ensemble_folder import predict_with_ensemble
+from teacher import with_teacher
 
 # Tuned on the demo (BBC News + MiniLM, 2-core CPU); every one is a flag.
 RECIPE_DEFAULTS = {**ENCODER_DEFAULTS, "learning_rate": 1e-4}
@@ -186,6 +187,15 @@ class ClassificationDataArguments(TextArguments, DataArguments):
         default=128,
         metadata={
             "help": "Tokens per text (per pair with --text_pair_column) after tokenization; longer are truncated."
+        },
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distil a teacher: a model folder, an ensemble folder or a k-fold run (recipes/kfold.py: "
+            "out-of-fold targets for the rows it trained on) over the same labels, of any architecture and "
+            "tokenizer. Its soft target per text (its class probabilities) is each training example's "
+            "teacher_logits (--distill_temperature, --distill_alpha). See docs/recipes.md, K-fold ensembles."
         },
     )
 
@@ -417,8 +427,10 @@ class ClassificationTask:
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "classification", data.text_column)
 
-    def load_model(self, model_args, labels: list[str], model_path: str):
-        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, model_path)
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None):
+        model, tokenizer, _ = load_classifier(
+            AutoModelForSequenceClassification, model_args, labels, model_path, training_args
+        )
         return model, tokenizer
 
     def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset:
@@ -541,11 +553,12 @@ def prepare_data(data_args: ClassificationDataArguments, tokenizer):
 
 
 def build_classification_trainer(
-    model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, num_labels: int
+    model, tokenizer, collator, args, train_dataset, eval_datasets, swap, num_labels: int
 ):
     """``(trainer, split_metrics)``: the TricksTrainer of this run, each split's metrics, the model's predictions as
     class probabilities, both orders of each pair with ``--pair_swap`` (and at prediction with
     ``--pair_swap_predict``)."""
+    training_args, data_args = args
     multi_label, threshold = data_args.multi_label, data_args.threshold
     if multi_label:
         split_metrics = {s: multi_label_compute_metrics(len(ds), threshold) for s, ds in eval_datasets.items()}
@@ -561,7 +574,7 @@ def build_classification_trainer(
         eval_datasets,
         model=model,
         processing_class=tokenizer,
-        data_collator=ClassificationCollator(tokenizer),
+        data_collator=collator,
         compute_metrics=split_metrics.get("validation"),
         preprocess_logits_for_metrics=probabilities(multi_label),
         callbacks=[LabelTokenFile()],
@@ -605,15 +618,19 @@ def main() -> None:
     swap = pair_swap_permutation(data_args, labels)
 
     # ---- Model ----
-    model, tokenizer, prompt = load_model(model_args, data_args, labels)
+    model, tokenizer, prompt = load_model(model_args, data_args, labels, training_args=training_args)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_datasets, truncation = tokenize_data(
             data_args, tokenizer, labels, train_examples, eval_examples, prompt, swap
         )
     eval_sets = {split: sort_by_length(dataset) for split, dataset in eval_datasets.items()}  # padding less
     eval_datasets = {split: dataset for split, (dataset, _) in eval_sets.items()}
+    train_dataset, collator = with_teacher(  # --teacher: soft targets (teacher_logits) on every training example
+        "classification", (data_args, model_args, training_args), labels, train_examples, train_dataset, tokenizer,
+        ClassificationCollator(tokenizer),
+    )  # fmt: skip
     trainer, split_metrics = build_classification_trainer(
-        model, tokenizer, training_args, data_args, train_dataset, eval_datasets, swap, len(labels)
+        model, tokenizer, collator, (training_args, data_args), train_dataset, eval_datasets, swap, len(labels)
     )
 
     # ---- Train, evaluate, predict; all_results.json last ----

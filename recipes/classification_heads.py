@@ -33,7 +33,8 @@ from nlp_tricks.label_token import (
 from nlp_tricks.runtime.checkpoint import is_state_dict_file
 
 from common import ModelArguments, load_classifier, load_config_and_tokenizer, load_weights, resolve_model_path, warn
-from common.errors import one_line_load_errors
+from common.pad_token import choose_pad_token, fit_model_to_tokenizer
+from common.peft import adapter_config, add_lora, load_adapter
 
 HEADS = ("classifier", "label_token")
 
@@ -75,6 +76,7 @@ class ClassificationModelArguments(ModelArguments):
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if self.head != "label_token" and (self.label_words or self.prompt_template):
             raise ValueError("label_words and prompt_template go with head=label_token")
 
@@ -121,6 +123,8 @@ class TextArguments:
             raise ValueError("pair_swap needs text_pair_column (it swaps the two texts of a pair)")
         if self.pair_swap_predict and self.pair_swap is None:
             raise ValueError("pair_swap_predict needs pair_swap (the label map of a swapped pair)")
+        if self.pair_swap is not None and getattr(self, "teacher", None) is not None:
+            raise ValueError("pair_swap with teacher: the swapped pairs would have no soft targets of their own")
 
 
 def head_defaults(namespace) -> bool:
@@ -145,40 +149,45 @@ def pair_swap_permutation(data_args, labels: list[str]) -> list[int] | None:
 # ---- The model ----------------------------------------------------------------------------------------------------
 
 
-def load_model(model_args, data_args, labels: list[str], model_path: str | None = None):
+def load_model(model_args, data_args, labels: list[str], model_path: str | None = None, training_args=None):
     """``(model, tokenizer, prompt)``: the classifier of ``--head`` over ``labels`` (``prompt``: the label-token
-    head's :class:`PromptTemplate`, else None), set up for multi-label data."""
+    head's :class:`PromptTemplate`, else None), set up for multi-label data, ready to train with ``training_args``
+    (``--peft lora``: an adapter) or to predict (``training_args`` None)."""
     if getattr(model_args, "head", "classifier") == "label_token":
         pairs = getattr(data_args, "text_pair_column", None) is not None
-        model, tokenizer, prompt = load_label_token_classifier(model_args, labels, pairs, model_path)
+        model, tokenizer, prompt = load_label_token_classifier(model_args, labels, pairs, model_path, training_args)
     else:
-        model, tokenizer, _ = load_classifier(AutoModelForSequenceClassification, model_args, labels, model_path)
+        model, tokenizer, _ = load_classifier(
+            AutoModelForSequenceClassification, model_args, labels, model_path, training_args
+        )
         prompt = None
     if getattr(data_args, "multi_label", False):
         model.config.problem_type = "multi_label_classification"  # the model's loss: BCE with logits
     return model, tokenizer, prompt
 
 
-def load_label_token_classifier(model_args, labels: list[str], pairs: bool, model_path: str | None = None):
+def load_label_token_classifier(
+    model_args, labels: list[str], pairs: bool, model_path: str | None = None, training_args=None
+):
     """``(LabelTokenClassifier, tokenizer, PromptTemplate)`` over ``labels`` from a causal LM, a saved label-token
-    model or a LoRA adapter folder trained as one; every mistake is one :class:`DataError` line naming its flag."""
-    flag = "--model_name_or_path"
+    model or a LoRA adapter folder trained as one; every mistake is one :class:`DataError` line naming its flag.
+    The tokenizer gets a padding token if it has none (``--pad_token``); with ``--peft lora`` the classifier trains
+    a LoRA adapter, the LM head frozen (its rows are the label tokens' scores)."""
     path = resolve_model_path(model_path or model_args.model_name_or_path)
     if is_state_dict_file(path):
-        raise DataError(None, None, f"{flag} {path}: --head label_token needs a causal LM folder or Hub id")
+        raise DataError(None, None, f"--model_name_or_path {path}: --head label_token needs a causal LM folder")
     saved = _saved_record(path)
-    adapter = Path(path) / "adapter_config.json"
-    source = json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"] if adapter.is_file() else path
+    adapter = adapter_config(path)
+    source = adapter["base_model_name_or_path"] if adapter else path
     config, tokenizer = load_config_and_tokenizer(
         source,
-        model_args.tokenizer_name or (path if adapter.is_file() else None),
+        model_args.tokenizer_name or (path if adapter else None),  # the run saved its tokenizer beside the adapter
         model_args.trust_remote_code,
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
     )
-    if tokenizer.pad_token is None:  # only the attention mask matters to this head: any token pads
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    new_token = choose_pad_token(tokenizer, getattr(model_args, "pad_token", None), f"--model_name_or_path {path}")
     words = label_word_list(model_args.label_words, labels, saved)
     template = prompt_of(model_args.prompt_template, saved, tokenizer, words, pairs)
     try:
@@ -186,12 +195,14 @@ def load_label_token_classifier(model_args, labels: list[str], pairs: bool, mode
     except ValueError as err:
         raise DataError(None, None, f"--label_words: {err}") from err
     lm = load_weights(AutoModelForCausalLM, source, config, model_args.trust_remote_code)
+    fit_model_to_tokenizer(lm, tokenizer)
     model = LabelTokenClassifier(lm, token_ids, words, template.template)
-    if adapter.is_file():
-        from peft import PeftModel
-
-        with one_line_load_errors(f"{flag} {path}"):
-            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    train = training_args is not None and training_args.do_train
+    if adapter:
+        model = load_adapter(model, path, model_args, train)
+    elif train and getattr(model_args, "peft", "none") == "lora":
+        # No task type: the classifier has no head of its own to train in full, and the LM head stays frozen.
+        model = add_lora(model, model_args, None, () if new_token is None else (new_token,))
     return model, tokenizer, template
 
 

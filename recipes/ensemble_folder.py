@@ -35,8 +35,9 @@ import numpy as np
 
 from nlp_tricks.data import DataError
 
+from common.peft import ADAPTER_CONFIG
 from ensemble_ner import NerEnsembleTask, NerSpanEnsembleTask
-from ensemble_tasks import ClassificationEnsembleTask, EnsembleTask, MemberOutput
+from ensemble_tasks import ClassificationEnsembleTask, EnsembleTask, MemberOutput, check_member_labels
 
 # The recipes, the k-fold runner and the tests read these here; the tasks live in ensemble_tasks.py (the protocol,
 # classification) and ensemble_ner.py (NER: words, CRFs, spans).
@@ -106,7 +107,8 @@ def read_manifest(folder: str | Path, recipe: str) -> dict:
     if not manifest["members"]:
         raise DataError(path, None, "the manifest names no members")
     for member in manifest["members"]:
-        if not (Path(folder) / member / "config.json").is_file():
+        # A model folder, or one holding an adapter saved alone (--peft lora --merge_lora false) with its base's path.
+        if not any((Path(folder) / member / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
             raise DataError(path, None, f"member {member!r}: no model in {Path(folder) / member}")
     return manifest
 
@@ -233,6 +235,8 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
     manifest = read_manifest(folder, recipe)
     task = task_of_members(recipe, folder, manifest["members"])
     labels = manifest["labels"]
+    for member in manifest["members"]:  # every member's labels checked before any member predicts
+        check_member_labels(Path(folder) / member, labels)
     out = Path(training_args.output_dir)
     prepare_output_dir(out, data_args.overwrite_output_dir, reads=(folder,))
     splits, sources = task.read_eval_splits(data_args, labels)
@@ -245,14 +249,20 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
     if not is_main_process():
         return True
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    from kfold_rules import apply_rule, read_rule
+
+    results, rule = {}, read_rule(folder)  # a decision rule stored with the folder (recipes/kfold.py --fit_rule)
     for split, examples in splits.items():
-        predictions = task.combine(outputs[split], labels, manifest.get("ensemble_vote"))
+        if rule is None:
+            predictions = task.combine(outputs[split], labels, manifest.get("ensemble_vote"))
+            probabilities = task.probabilities(outputs[split]) if recipe == "classification" else None
+        else:
+            predictions, probabilities = apply_rule(task, rule, outputs[split], labels)
         prefix = "eval" if split == "validation" else "test"
         if split == "test":
             task.write(out / task.predictions_file, examples, predictions, data_args)
-            if recipe == "classification":
-                np.save(out / "test_probabilities.npy", task.probabilities(outputs[split]))
+            if probabilities is not None:
+                np.save(out / "test_probabilities.npy", probabilities)
         scores = task.score(task.gold(examples), predictions, labels, data_args)
         results.update({f"{prefix}_{key}": value for key, value in scores.items()})
         results[f"{prefix}_samples"] = len(examples)
@@ -264,6 +274,7 @@ def predict_with_ensemble(recipe: str, argv: list[str] | None = None) -> bool:
                 "folder": str(folder),
                 "members": manifest["members"],
                 "ensemble_vote": manifest.get("ensemble_vote"),
+                "decision_rule": None if rule is None else {k: rule[k] for k in ("rules", "beta", "fitted_on")},
             },
         }
     )

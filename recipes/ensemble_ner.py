@@ -22,7 +22,7 @@ from nlp_tricks.ensemble import (
     vote_spans,
 )
 
-from ensemble_tasks import EnsembleTask, MemberOutput, member_logits
+from ensemble_tasks import EnsembleTask, MemberOutput, check_member_labels, member_logits
 
 
 class NerEnsembleTask(EnsembleTask):
@@ -42,6 +42,7 @@ class NerEnsembleTask(EnsembleTask):
                 saved_crf_defaults("model_name_or_path"),
             ],
             "evidence_defaults": recipe.EVIDENCE_DEFAULTS,
+            "evidence_unless": "teacher",
         }
 
     def load_splits(self, data_args):
@@ -56,6 +57,7 @@ class NerEnsembleTask(EnsembleTask):
 
         from common import load_classifier
 
+        check_member_labels(folder, labels)
         member_args = dataclasses.replace(model_args, tokenizer_name=None, ignore_mismatched_sizes=False)
         model, tokenizer, config = load_classifier(AutoModelForTokenClassification, member_args, labels, str(folder))
         self.recipe.prepare_ner_tokenizer(config, tokenizer)

@@ -49,6 +49,31 @@ def member_logits(model, tokenizer, dataset, collator, args):
     return own_rows(predictions, n), labels
 
 
+def check_member_labels(folder: Path, labels: list[str]) -> None:
+    """Refuse a member whose saved labels (``config.json``'s ``id2label``, in id order) are not the ensemble's:
+    loading it over the ensemble's labels would rename its outputs. One ``DataError`` line naming the member and
+    both label lists."""
+    import json
+
+    from nlp_tricks.data import DataError
+
+    path = Path(folder) / "config.json"
+    if not path.is_file() and (Path(folder) / "adapter_config.json").is_file():
+        # A LoRA adapter (--merge_lora false): its head's labels are the run's label_list in all_results.json.
+        path = Path(folder) / "all_results.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(path, None, f"cannot read the member's {path.name} ({err})") from None
+    saved = record.get("id2label") if path.name == "config.json" else dict(enumerate(record.get("label_list") or []))
+    if not saved:
+        return  # no labels saved: nothing to contradict (the ensemble's are given to it)
+    ordered = [saved[key] for key in sorted(saved, key=int)]
+    if ordered != list(labels):
+        raise DataError(path, None, f"member {Path(folder).name}: its labels {ordered} are not the ensemble's "
+                        f"{list(labels)}; train every member over the same labels")  # fmt: skip
+
+
 def _predict_only(data_cls):
     """``data_cls`` without its "validation_file / test_file need a train_file" check: an ensemble predicts files
     without training data."""
@@ -144,6 +169,7 @@ class ClassificationEnsembleTask(EnsembleTask):
     def load_member(self, folder: Path, model_args, labels: list[str]):
         from classification_heads import load_member
 
+        check_member_labels(folder, labels)
         return load_member(folder, model_args, labels)
 
     def predict(self, model, tokenizer, examples: list[dict], labels: list[str], data_args, args) -> MemberOutput:

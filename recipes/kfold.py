@@ -32,6 +32,16 @@ r < R is kept whole in ``DIR/round{r}/`` (an ensemble folder too); ``DIR`` is th
 trains one student on all the training data (and F) against the ensemble's soft targets (``teacher_logits``) in
 ``DIR/student/``: ``student_test_<metric>``, at the inference cost of one model.
 
+Fair members: every fold model trains for the single model's number of optimizer steps (``--fold_steps match``, the
+default; ``epochs``: the recipe's epochs over the fold's data) with its own seed (``kfold_plan.member_seed``), and
+with ``--fold_select best`` keeps its checkpoint that scores best on its held-out fold. ``--full_fit_seeds N`` also
+trains N models on all the training data (``DIR/full_fit/seed{k}/``; ``DIR/full_fit/`` is their ensemble folder);
+``--folds 0`` trains only those. ``--soup {uniform,greedy}`` averages the fold models' weights into one model
+(``DIR/soup/``; with ``--folds 0`` the seeds', ``DIR/full_fit/soup/``). ``--fit_rule`` fits decision rules
+(per-class bias, per-type thresholds, temperature) on the out-of-fold predictions, stored in
+``DIR/decision_rule.json`` and applied when ``DIR`` predicts (``DIR/rule/``: the test split after them).
+``--teacher DIR2`` gives the student another teacher.
+
 Runs (``recipes/sweep.py``, the ablation's executor): ``--jobs N`` folds at a time, each in its own process with its
 share of the cores (``OMP_NUM_THREADS``) and, with GPUs visible, its own GPU (``CUDA_VISIBLE_DEVICES``,
 ``--gpus_per_run``); ``--backend ray`` trains each fold as a Ray task on a cluster (``--ray_address``; the output
@@ -42,65 +52,45 @@ docs/recipes.md, "K-fold ensembles", and docs/evidence.md, "Sweeps on a cluster"
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
-
-import numpy as np
 
 from nlp_tricks.data import DataError
 
+import kfold_args
 import sweep
-from ablation import multi_label_requested
-from ensemble_folder import (
-    TASKS,
-    EnsembleTask,
-    NerSpanEnsembleTask,
-    predict_members,
-    prediction_args,
-    rescore,
-    write_manifest,
-)
+from ensemble_folder import TASKS, EnsembleTask, NerSpanEnsembleTask, predict_members, prediction_args, rescore
 from kfold_data import (
     REFUSED_FLAGS,
     RUNNER_FLAGS,
     cut_folds,
     example_record,
-    given_flags,
     is_span_task,
     jsonl_text,
     read_training_data,
     strip_flags,
     write_if_changed,
 )
+from kfold_full_fit import run_full_fit
+from kfold_outputs import main_scores, write_test_ensemble
+from kfold_plan import FoldFailed, FoldJob, best_checkpoint_flags, member_flags, member_seed, training_steps
+from kfold_rules import run_rules
+from kfold_soup import run_soups
 from kfold_student import pseudo_labels, student_flags, train_student
 
+# Names the tests and other runners read here.
+__all__ = ["REFUSED_FLAGS", "RUNNER_FLAGS", "FoldFailed", "FoldJob", "KFold", "main", "run_fold", "share_of_cores",
+           "strip_flags"]  # fmt: skip
+
 # ---- Jobs ---------------------------------------------------------------------------------------------------------
-
-
-class FoldJob(NamedTuple):
-    """One fold's training run: ``python script --output_dir run_dir <flags>`` in the environment ``env`` (None:
-    this process's; the executor adds the run's threads and GPUs)."""
-
-    round: int
-    fold: int
-    script: str
-    run_dir: Path
-    flags: list[str]
-    env: dict | None = None
-
-
-class FoldFailed(RuntimeError):
-    """A fold's run ended without results (its folder holds its log)."""
 
 
 def run_fold(job: FoldJob) -> dict:
     """Run one fold (unless it finished with these flags: ``sweep.run_one``); its record. A plain function of a
     :class:`FoldJob`: the local executor's way to run a job, replaced by tests that run folds in this process."""
-    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env)
+    return sweep.run_one(job.script, job.run_dir, job.flags, env=job.env, label="kfold")
 
 
 def share_of_cores(jobs: int) -> int:
@@ -135,6 +125,8 @@ class KFold:
         )
         if task.name == "ner" and self.training_args.span_head is not None:
             self.task = NerSpanEnsembleTask(self.training_args.span_flat)
+        self.base_seed = self.training_args.seed  # each member's seed derives from it (kfold_plan.member_seed)
+        self.recipe_file = Path(self.task.recipe.__file__).resolve()
 
     def round_dir(self, r: int) -> Path:
         return self.out if r == self.rounds else self.out / f"round{r}"
@@ -146,7 +138,10 @@ class KFold:
         task, data_args, k = self.task, self.data_args, self.args.folds
         data = read_training_data(task, data_args, self.model_args)
         self.train, self.test, self.labels, self.sources = data["train"], data["test"], data["labels"], data["sources"]
-        self.fold_of = cut_folds(task, self.train, k, self.args.split_seed, self.sources["train"])
+        if self.test is None and self.args.full_fit_seeds:
+            raise DataError(self.sources["train"], None, "--full_fit_seeds: the seed models are scored on a test "
+                            "split; give --test_file after -- (or use the demo's)")  # fmt: skip
+        self.fold_of = cut_folds(task, self.train, k, self.args.split_seed, self.sources["train"]) if k else []
         if task.name == "ner" and not is_span_task(task):
             bad = [label for label in self.labels if "," in label]
             if bad:
@@ -160,7 +155,7 @@ class KFold:
         self.heldout = [[i for i, f in enumerate(self.fold_of) if f == fold] for fold in range(k)]
         records = [example_record(task, ex, data_args, i) for i, ex in enumerate(self.train)]
         self.records = records
-        write_if_changed(self.data_dir / "train.jsonl", jsonl_text(records))
+        self.train_changed = write_if_changed(self.data_dir / "train.jsonl", jsonl_text(records))
         self.test_changed = False
         if self.test is not None:
             test_records = [example_record(task, ex, data_args, f"test{i}") for i, ex in enumerate(self.test)]
@@ -182,16 +177,20 @@ class KFold:
                 "stratified": task.name == "classification",
                 "examples": len(self.train),
                 "fold_of_example": self.fold_of,
+                # The fields of data/train.jsonl's records that hold an example's text (a teacher matches rows by it).
+                "record_keys": {
+                    "tokens": getattr(data_args, "tokens_column", None),
+                    "text": getattr(data_args, "text_column", None),
+                    "text_pair": getattr(data_args, "text_pair_column", None),
+                },  # fmt: skip
             },
         )
 
-    def data_flags(self, train_file: Path, fold: int) -> list[str]:
-        flags = [
-            "--train_file",
-            str(train_file),
-            "--validation_file",
-            str(self.data_dir / f"fold{fold}_heldout.jsonl"),
-        ]
+    def data_flags(self, train_file: Path, fold: int | None) -> list[str]:
+        """The data flags of a run on ``train_file``, validated on fold ``fold``'s held-out part (None: nothing)."""
+        flags = ["--train_file", str(train_file)]
+        if fold is not None:
+            flags += ["--validation_file", str(self.data_dir / f"fold{fold}_heldout.jsonl")]
         if self.test is not None:
             flags += ["--test_file", str(self.data_dir / "test.jsonl")]
         if is_span_task(self.task):
@@ -212,8 +211,30 @@ class KFold:
         changed = write_if_changed(train_file, jsonl_text(own + pseudo))
         if changed or self.test_changed or self.heldout_changed[fold]:
             invalidate(run_dir)
-        recipe_file = str(Path(self.task.recipe.__file__).resolve())
-        return FoldJob(r, fold, recipe_file, run_dir, self.fold_flags + self.data_flags(train_file, fold))
+        flags = self.member_flags(fold, len(self.train) + len(pseudo)) + self.data_flags(train_file, fold)
+        return FoldJob(r, fold, str(self.recipe_file), run_dir, flags)
+
+    def fold_steps(self, examples: int) -> int | None:
+        """``--fold_steps match``: the steps the recipe takes on ``examples`` examples (the whole training split,
+        plus a round's pseudo-labels), as the single model does; ``epochs``: None (the recipe's own)."""
+        return training_steps(self.training_args, examples) if self.args.fold_steps == "match" else None
+
+    def member_flags(self, fold: int, examples: int) -> list[str]:
+        """Fold ``fold``'s recipe flags but its data: its seed, its steps, its checkpoint selection."""
+        flags = member_flags(self.fold_flags, member_seed(self.base_seed, "fold", fold), self.fold_steps(examples))
+        if self.args.fold_select == "best":
+            flags += best_checkpoint_flags(self.training_args, getattr(self.task.recipe, "MAIN_METRIC", "f1"))
+        return flags
+
+    def run_jobs(self, jobs: list[FoldJob], folder: Path, label: str) -> list[dict]:
+        """Run ``jobs`` with the executor (finished ones are skipped); their records, or :class:`FoldFailed` naming
+        the failed ones with the end of their logs."""
+        metric = getattr(self.task.recipe, "MAIN_METRIC", None)
+        outcomes = self.executor.run(jobs, folder, metric, label=label)
+        if any(outcome.record is None for outcome in outcomes):  # the run's exit status and the end of its log
+            raise FoldFailed(sweep.failure_report(outcomes, folder))
+        sweep.forget_failures(folder)
+        return [outcome.record for outcome in outcomes]
 
     # ---- One round ----
 
@@ -241,51 +262,23 @@ class KFold:
             outputs.append({split: outs[0] for split, outs in member.items()})
         return {"outputs": outputs, "seconds": seconds, "elapsed": time.perf_counter() - start}
 
-    def write_round(self, r: int, records: list[dict], predicted: dict, pseudo_stats: list[dict] | None) -> dict:
+    def write_round(
+        self, r: int, records: list[dict], predicted: dict, pseudo: list[list[dict]], pseudo_stats
+    ) -> dict:
         """The round's OOF and ensemble files and its manifest; its results (``all_results.json`` is written by
-        the caller, last)."""
+        the caller, last). ``pseudo``: each fold's pseudo-labelled examples of this round."""
         task, labels, folder, k = self.task, self.labels, self.round_dir(r), self.args.folds
         outputs = predicted["outputs"]
-        suffix = Path(task.predictions_file).suffix
-        oof = [None] * len(self.train)
-        for fold in range(k):
-            for i, prediction in zip(self.heldout[fold], task.member_predictions(outputs[fold]["heldout"], labels)):
-                oof[i] = prediction
-        task.write(folder / f"oof_predictions{suffix}", self.train, oof, self.data_args)
-        results = {
-            f"oof_{key}": value
-            for key, value in self._main(rescore(task, folder / f"oof_predictions{suffix}", labels)).items()
-        }
-        if task.name == "classification":
-            probabilities = np.zeros((len(self.train), len(labels)), dtype=np.float32)
-            for fold in range(k):
-                probabilities[self.heldout[fold]] = task.probabilities([outputs[fold]["heldout"]])
-            np.save(folder / "oof_probabilities.npy", probabilities)
+        results = self.write_oof(folder, [o["heldout"] for o in outputs])
         if self.test is not None:
-            test_outputs = [o["test"] for o in outputs]
-            predictions = task.combine(test_outputs, labels, self.args.ensemble_vote)
-            task.write(folder / task.predictions_file, self.test, predictions, self.data_args)
-            if task.name == "classification":
-                np.save(folder / "test_probabilities.npy", task.probabilities(test_outputs))
-                for fold in range(k):
-                    np.save(
-                        folder / f"fold{fold}" / "test_probabilities.npy", task.probabilities([test_outputs[fold]])
-                    )
-            results.update(
-                {
-                    f"test_{key}": v
-                    for key, v in self._main(rescore(task, folder / task.predictions_file, labels)).items()
-                }
-            )
-            per_fold = [
-                self._main(rescore(task, folder / f"fold{f}" / task.predictions_file, labels)) for f in range(k)
-            ]
-            for key in task.metrics:
-                values = [scores[key] for scores in per_fold]
-                results[f"fold_test_{key}"] = values
-                results[f"fold_test_{key}_mean"] = float(np.mean(values))
-            results["test_samples"] = len(self.test)
-        write_manifest(folder, task.name, [f"fold{f}" for f in range(k)], labels, self.args.ensemble_vote)
+            members = [f"fold{f}" for f in range(k)]
+            test = write_test_ensemble(task, folder, members, self.test, [o["test"] for o in outputs], labels,
+                                       self.data_args, self.args.ensemble_vote)  # fmt: skip
+            results.update({key.replace("member_", "fold_"): value for key, value in test.items()})
+        else:
+            from ensemble_folder import write_manifest
+
+            write_manifest(folder, task.name, [f"fold{f}" for f in range(k)], labels, self.args.ensemble_vote)
         results.update(
             {
                 "round": r,
@@ -296,6 +289,10 @@ class KFold:
                 "oof_samples": len(self.train),
                 "label_list": labels,
                 "data_files": self.sources,
+                "fold_steps": self.args.fold_steps,
+                "fold_max_steps": [self.fold_steps(len(self.train) + len(extra)) for extra in pseudo],
+                "fold_seeds": [member_seed(self.base_seed, "fold", f) for f in range(k)],
+                "fold_select": self.args.fold_select,
                 # Whole fold processes (loading included), and their Trainer's training loops alone.
                 "fold_train_seconds": [record["wall_seconds"] for record in records],
                 "fold_train_runtime": [record["results"].get("train_runtime") for record in records],
@@ -309,8 +306,26 @@ class KFold:
             results["pseudo_labels"] = pseudo_stats
         return results
 
+    def write_oof(self, folder: Path, heldout: list) -> dict:
+        """``oof_predictions.*`` (each training example by the fold model that did not see it), the scores the
+        decision rules are fitted on (classification ``oof_probabilities.npy``, NER ``oof_scores.npz``); the
+        ``oof_`` metrics (classification also ``oof_nll``)."""
+        from kfold_rules import save_oof_scores
+
+        task, labels = self.task, self.labels
+        suffix = Path(task.predictions_file).suffix
+        oof = [None] * len(self.train)
+        for fold, output in enumerate(heldout):
+            for i, prediction in zip(self.heldout[fold], task.member_predictions(output, labels)):
+                oof[i] = prediction
+        task.write(folder / f"oof_predictions{suffix}", self.train, oof, self.data_args)
+        scores = main_scores(task, rescore(task, folder / f"oof_predictions{suffix}", labels))
+        results = {f"oof_{key}": value for key, value in scores.items()}
+        results.update(save_oof_scores(self, folder, heldout))
+        return results
+
     def _main(self, scores: dict) -> dict:
-        return {key: scores[key] for key in self.task.metrics}
+        return main_scores(self.task, scores)
 
     def rule(self, outputs: list[dict]) -> str:
         if self.task.name == "classification":
@@ -328,36 +343,24 @@ class KFold:
     # ---- All of it ----
 
     def run_all(self) -> dict:
-        """Every round, then the student; ``DIR/all_results.json`` last. Returns it."""
+        """Every round, the full-fit seeds, the soups, the decision rules, then the student; ``DIR/all_results.json``
+        last. Returns it."""
         from common import write_json_atomic
 
         self.prepare()
         # What an earlier run left that would look like this run's results (or a usable ensemble) goes first.
         for r in range(self.rounds + 1):
-            for name in ("all_results.json", "kfold_ensemble.json"):
+            for name in ("all_results.json", "kfold_ensemble.json", "decision_rule.json"):
                 (self.round_dir(r) / name).unlink(missing_ok=True)
         if self.args.distill:
             self.task.parse(student_flags(self))  # the student's flags are checked before any fold trains
-        pseudo: list[list[dict]] = [[] for _ in range(self.args.folds)]
-        pseudo_stats, earlier = None, []
-        for r in range(self.rounds + 1):
-            jobs = [self.fold_job(r, fold, pseudo[fold]) for fold in range(self.args.folds)]
-            print(f"[kfold] round {r}: {len(jobs)} folds, {self.executor.describe()}", flush=True)
-            metric = getattr(self.task.recipe, "MAIN_METRIC", None)
-            outcomes = self.executor.run(jobs, self.round_dir(r), metric, label=f"kfold round {r}")
-            if any(outcome.record is None for outcome in outcomes):  # the run's exit status and the end of its log
-                raise FoldFailed(sweep.failure_report(outcomes, self.round_dir(r)))
-            sweep.forget_failures(self.round_dir(r))
-            records = [outcome.record for outcome in outcomes]
-            last = r == self.rounds
-            predicted = self.predict_round(r, self.unlabeled is not None and (not last or self.args.distill))
-            results = self.write_round(r, records, predicted, pseudo_stats)
-            if not last:
-                write_json_atomic(self.round_dir(r) / "all_results.json", results)
-                earlier.append({k: v for k, v in results.items() if isinstance(v, int | float | str)})
-                pseudo, pseudo_stats = pseudo_labels(self, r, predicted)
-        if earlier:
-            results["rounds"] = earlier
+        results, predicted = self.run_rounds() if self.args.folds else ({}, None)
+        if self.args.full_fit_seeds:
+            results.update(run_full_fit(self))
+        if self.args.soup:
+            results.update(run_soups(self))
+        if self.args.fit_rule:
+            results.update(run_rules(self, predicted))
         if self.args.distill:
             student = train_student(self, predicted)
             results.update(
@@ -366,126 +369,50 @@ class KFold:
         write_json_atomic(self.out / "all_results.json", results)
         return results
 
+    def run_rounds(self) -> tuple[dict, dict]:
+        """Round 0 and the pseudo-label rounds: the last round's results and predictions."""
+        from common import write_json_atomic
+
+        pseudo: list[list[dict]] = [[] for _ in range(self.args.folds)]
+        pseudo_stats, earlier = None, []
+        for r in range(self.rounds + 1):
+            jobs = [self.fold_job(r, fold, pseudo[fold]) for fold in range(self.args.folds)]
+            print(f"[kfold] round {r}: {len(jobs)} folds, {self.executor.describe()}", flush=True)
+            records = self.run_jobs(jobs, self.round_dir(r), f"kfold round {r}")
+            last = r == self.rounds
+            predicted = self.predict_round(r, self.unlabeled is not None and (not last or self.args.distill))
+            results = self.write_round(r, records, predicted, pseudo, pseudo_stats)
+            if not last:
+                write_json_atomic(self.round_dir(r) / "all_results.json", results)
+                earlier.append({k: v for k, v in results.items() if isinstance(v, int | float | str)})
+                pseudo, pseudo_stats = pseudo_labels(self, r, predicted)
+        if earlier:
+            results["rounds"] = earlier
+        return results, predicted
+
 
 def main(argv: list[str] | None = None, run=run_fold) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = _parser()
+    parser = kfold_args.parser(__doc__)
     args = parser.parse_args(argv)
-    _check_arguments(parser, args, recipe_flags)
+    kfold_args.check(parser, args, recipe_flags)
     try:
         with sweep.make_executor(args, default_threads=share_of_cores, run=run) as executor:
             kfold = KFold(args, TASKS[args.recipe], recipe_flags, executor=executor)
-            _check_recipe_arguments(parser, args, kfold)
+            kfold_args.check_parsed(parser, args, kfold)
             results = kfold.run_all()
     except (DataError, FoldFailed, sweep.SweepError) as err:
         print(f"kfold: {err}", file=sys.stderr)
         return 1
     metric = getattr(TASKS[args.recipe].recipe, "MAIN_METRIC", "f1")
-    summary = {
-        k: v
-        for k, v in results.items()
-        if k in (f"oof_{metric}", f"test_{metric}", f"fold_test_{metric}_mean", f"student_test_{metric}")
-    }
+    shown = [f"{prefix}{metric}" for prefix in ("oof_", "test_", "full_fit_test_", "soup_test_", "full_fit_soup_test_",
+                                                 "rule_test_", "student_test_")]  # fmt: skip
+    shown.insert(2, f"fold_test_{metric}_mean")
+    summary = {key: results[key] for key in shown if isinstance(results.get(key), float)}
     print("[kfold] " + ", ".join(f"{k} {v:.4f}" for k, v in summary.items()), flush=True)
     return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    """The runner's own flags (the recipe's go after ``--``)."""
-    parser = argparse.ArgumentParser(
-        prog="python recipes/kfold.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--recipe", required=True, choices=list(TASKS), help="the recipe each fold runs")
-    parser.add_argument("--folds", type=int, required=True, help="K >= 2: how many folds (and fold models)")
-    parser.add_argument("--output_dir", required=True, help="where fold{k}/, the ensemble's files and results go")
-    parser.add_argument("--split_seed", type=int, default=42, help="seed of the shuffle that cuts the folds")
-    parser.add_argument(
-        "--ensemble_vote",
-        type=float,
-        default=None,
-        help="NER: combine the folds by entity vote instead of averaging: an entity is kept when at least this "
-        "share in (0, 1] of the folds predict it (0.5: half of them)",
-    )
-    parser.add_argument(
-        "--unlabeled_file",
-        default=None,
-        help="unlabelled data for pseudo-labels (the self-training recipe's formats: NER .txt one sentence a line, "
-        "JSON lines, or CoNLL words; classification CSV / JSON lines with --text_column)",
-    )
-    parser.add_argument(
-        "--confidence_threshold",
-        type=float,
-        default=0.0,
-        help="pseudo-labels below this confidence in [0, 1] are dropped (a text's largest softmax probability, a "
-        "sentence's smallest over its words); 0 keeps all",
-    )
-    parser.add_argument(
-        "--pseudo_label_rounds",
-        type=int,
-        default=1,
-        help="with --unlabeled_file: rounds of fold-wise pseudo-labels after the first training (>= 1)",
-    )
-    parser.add_argument(
-        "--distill",
-        default="false",
-        choices=["true", "false"],
-        help="true: also train one student on all the training data (and --unlabeled_file) against the ensemble's "
-        "soft targets, in DIR/student/",
-    )
-    sweep.add_arguments(parser, what="folds")
-    return parser
-
-
-def _check_arguments(parser: argparse.ArgumentParser, args, recipe_flags: list[str]) -> None:
-    """The runner's flags and the recipe flags it refuses, before anything runs: one line each (exit 2)."""
-    args.distill = args.distill == "true"
-    if args.folds < 2:
-        parser.error(f"--folds {args.folds}: it must be >= 2")
-    problem = sweep.check_arguments(args)
-    if problem:
-        parser.error(problem)
-    if args.ensemble_vote is not None and not 0.0 < args.ensemble_vote <= 1.0:
-        parser.error(f"--ensemble_vote {args.ensemble_vote}: it must be in (0, 1]")
-    if args.ensemble_vote is not None and args.recipe != "ner":
-        parser.error("--ensemble_vote: entity voting is for --recipe ner")
-    if not 0.0 <= args.confidence_threshold <= 1.0:
-        parser.error(f"--confidence_threshold {args.confidence_threshold}: it must be in [0, 1]")
-    if args.pseudo_label_rounds < 1:
-        parser.error(f"--pseudo_label_rounds {args.pseudo_label_rounds}: it must be >= 1")
-    if recipe_flags and recipe_flags[0].endswith((".yaml", ".yml", ".json")) and not recipe_flags[0].startswith("-"):
-        parser.error(f"{recipe_flags[0]}: give the recipe's flags after --, not a config file")
-    given = given_flags(recipe_flags)
-    for name, why in REFUSED_FLAGS.items():
-        if name in given:
-            parser.error(f"--{name} after --: {why}")
-    if args.recipe == "classification" and multi_label_requested(recipe_flags):
-        parser.error("--multi_label: k-fold ensembles here are single-label (stratified folds, mean probabilities)")
-    if args.unlabeled_file and "text_pair_column" in given:
-        parser.error("--unlabeled_file: pseudo-labels are for one text per example (no --text_pair_column)")
-    if args.distill and "class_weights" in given:
-        parser.error(
-            "--distill true: the student learns soft targets (teacher_logits), which --class_weights do not weigh"
-        )
-
-
-def _check_recipe_arguments(parser: argparse.ArgumentParser, args, kfold: KFold) -> None:
-    """What the parsed recipe flags do not combine with (every fold trains; a span head's scores are no
-    probabilities and cannot be distilled)."""
-    if kfold.training_args.do_train is False:
-        parser.error("--do_train false after --: every fold trains")
-    span_head = kfold.training_args.span_head if args.recipe == "ner" else None
-    if span_head is not None and args.distill:
-        parser.error(
-            f"--distill true with --span_head {span_head}: a student distils per-token soft targets "
-            "(teacher_logits), which a span head does not take; drop --distill"
-        )
-    if span_head is not None and args.confidence_threshold > 0:
-        parser.error(
-            f"--confidence_threshold {args.confidence_threshold} with --span_head {span_head}: span scores "
-            "are not probabilities, so a span model's pseudo-labels keep every sentence; leave it at 0"
-        )
 
 
 if __name__ == "__main__":

@@ -91,36 +91,65 @@ def span_pseudo_labels(run: KFold, output: MemberOutput) -> list[dict]:
     return records
 
 
-def train_student(run: KFold, predicted: dict) -> dict:
-    """One student on every training example (soft target: the out-of-fold one, from the fold model that did
-    not see it) and F (soft target: the ensemble's; hard label: its prediction), distilled through
-    ``teacher_logits``; its test predictions and ``all_results.json`` in ``DIR/student``."""
+def student_targets(run: KFold, predicted: dict | None) -> tuple[list[dict], list, dict]:
+    """``(examples, soft targets, provenance)`` of the student: every training example (soft target: the
+    out-of-fold one, from the fold model that did not see it; or ``--teacher``'s) and F (soft target: the ensemble's,
+    or the teacher's; hard label: its prediction)."""
+    task, labels = run.task, run.labels
+    unlabeled = list(run.unlabeled) if run.unlabeled is not None else []
+    if run.args.teacher is not None:
+        from teacher import soft_targets
+
+        rows = [dict(ex) for ex in run.train] + unlabeled
+        args = (run.data_args, run.model_args, run.training_args)
+        soft, info = soft_targets(run.args.teacher, task.name, rows, labels, *args)
+        soft, extra = soft[: len(run.train)], soft[len(run.train) :]
+        hard = [_argmax_labels(target, labels, task.name) for target in extra]
+    else:
+        outputs = predicted["outputs"]
+        soft = [None] * len(run.train)
+        for fold in range(run.args.folds):
+            for i, target in zip(run.heldout[fold], task.soft_targets([outputs[fold]["heldout"]])):
+                soft[i] = target
+        info = {"teacher": "this run's folds", "kind": "kfold"}
+        extra, hard = [], []
+        if unlabeled:
+            unlabeled_outputs = [o["unlabeled"] for o in outputs]
+            hard = task.combine(unlabeled_outputs, labels, run.args.ensemble_vote)
+            extra = task.soft_targets(unlabeled_outputs)
+    examples = [dict(ex) for ex in run.train]
+    for ex, prediction, target in zip(unlabeled, hard, extra):
+        if task.name == "ner":
+            seen = np.flatnonzero(~np.isnan(target).any(axis=-1))
+            if not len(seen):
+                continue
+            n = int(seen[-1]) + 1  # words past the last one seen were cut: the student is not taught them
+            examples.append({"tokens": ex["tokens"][:n], "ner_tags": prediction[:n]})
+            soft.append(target[:n])
+        else:
+            examples.append({"text": ex["text"], "label": prediction})
+            soft.append(target)
+    return examples, soft, info
+
+
+def _argmax_labels(target: np.ndarray, labels: list[str], task: str):
+    """A teacher's hard label of an unlabelled row: its most probable class, or each seen word's most probable tag
+    (an unseen word: ``O``)."""
+    if task != "ner":
+        return labels[int(np.argmax(target))]
+    return ["O" if np.isnan(row).any() else labels[int(np.argmax(row))] for row in target]
+
+
+def train_student(run: KFold, predicted: dict | None) -> dict:
+    """One student on every training example and F, distilled through ``teacher_logits``
+    (:func:`student_targets`); its test predictions and ``all_results.json`` in ``DIR/student``."""
     from datasets import Dataset
 
     import self_training
     from common import prepare_output_dir, resolve_model_path, write_json_atomic
 
     task, labels, folder = run.task, run.labels, run.out / "student"
-    outputs = predicted["outputs"]
-    soft: list = [None] * len(run.train)
-    for fold in range(run.args.folds):
-        for i, target in zip(run.heldout[fold], task.soft_targets([outputs[fold]["heldout"]])):
-            soft[i] = target
-    examples = [dict(ex) for ex in run.train]
-    if run.unlabeled is not None:
-        unlabeled_outputs = [o["unlabeled"] for o in outputs]
-        hard = task.combine(unlabeled_outputs, labels, run.args.ensemble_vote)
-        for ex, prediction, target in zip(run.unlabeled, hard, task.soft_targets(unlabeled_outputs)):
-            if task.name == "ner":
-                seen = np.flatnonzero(~np.isnan(target).any(axis=-1))
-                if not len(seen):
-                    continue
-                n = int(seen[-1]) + 1  # words past the last one seen were cut: the student is not taught them
-                examples.append({"tokens": ex["tokens"][:n], "ner_tags": prediction[:n]})
-                soft.append(target[:n])
-            else:
-                examples.append({"text": ex["text"], "label": prediction})
-                soft.append(target)
+    examples, soft, provenance = student_targets(run, predicted)
     teacher = [np.log(np.clip(np.asarray(t, dtype=np.float64), 1e-30, None)).astype(np.float32) for t in soft]
     fingerprint = hashlib.sha256(
         json.dumps([student_flags(run), [ex.get("tokens", ex.get("text")) for ex in examples]]).encode()
@@ -140,7 +169,7 @@ def train_student(run: KFold, predicted: dict) -> dict:
         resolve_model_path(model_args.model_name_or_path),
         model_args,
         labels,
-        training_args.seed,
+        training_args,
     )
     dataset = self_training_task.tokenize(examples, tokenizer, label2id, data_args, train=True)
     column = self_training_task.teacher_logits(examples, teacher, dataset, tokenizer, label2id, data_args)
@@ -156,7 +185,10 @@ def train_student(run: KFold, predicted: dict) -> dict:
         "train_runtime": train_runtime(folder),
         "distill_temperature": training_args.distill_temperature,
         "distill_alpha": training_args.distill_alpha,
-        "soft_targets": "training examples: out-of-fold; unlabelled: the ensemble's",
+        "soft_targets": "training examples: out-of-fold; unlabelled: the ensemble's"
+        if run.args.teacher is None
+        else f"--teacher {run.args.teacher}",
+        "teacher": provenance,
         "label_list": labels,
     }
     if run.test is not None:

@@ -128,6 +128,7 @@ from ner_spans import (
     span_types,
     tokenize_span_data,
 )
+from teacher import check_teacher, with_teacher
 
 # What other recipes, the k-fold ensembles and the tests read of this recipe; the code lives in ner_data.py (tagged
 # data), ner_spans.py (--span_head) and ner_outputs.py (metrics and prediction files).
@@ -206,8 +207,10 @@ class NerTask:
     def read_unlabeled(self, path: str, data) -> list[dict]:
         return read_unlabeled_file(path, "ner", data.tokens_column)
 
-    def load_model(self, model_args, labels: list[str], model_path: str):
-        model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels, model_path)
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None):
+        model, tokenizer, config = load_classifier(
+            AutoModelForTokenClassification, model_args, labels, model_path, training_args
+        )
         prepare_ner_tokenizer(config, tokenizer)
         return model, tokenizer
 
@@ -300,8 +303,10 @@ def main() -> None:
         dependent_defaults=[saved_span_defaults("model_name_or_path")],
         description=__doc__,
         evidence_defaults=EVIDENCE_DEFAULTS,
+        evidence_unless="teacher",  # the CRF takes no per-token teacher_logits
         saved_crf_models=("model_name_or_path",),  # a model trained with --crf stays a CRF
     )
+    check_teacher(data_args, training_args, "ner")
     if training_args.span_head is not None:
         span_main(data_args, model_args, training_args)
     else:
@@ -311,7 +316,9 @@ def main() -> None:
 def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, training_args: TricksArguments) -> None:
     """The recipe with token tagging: a tag per word (a CRF over them with ``--crf true``)."""
     splits, labels, train_examples, eval_examples = _setup_tagged_data(data_args, training_args)
-    model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, labels)
+    model, tokenizer, config = load_classifier(
+        AutoModelForTokenClassification, model_args, labels, None, training_args
+    )
     prepare_ner_tokenizer(config, tokenizer)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_sets, truncation = tokenize_data(
@@ -325,9 +332,13 @@ def tagging_main(data_args: NerDataArguments, model_args: ModelArguments, traini
         path = Path(training_args.output_dir) / "test_predictions.txt"
         write_predictions(path, eval_sets["test"], word_tags, scheme)
 
+    train_dataset, collator = with_teacher(  # --teacher: soft targets (teacher_logits) on every training word
+        "ner", (data_args, model_args, training_args), labels, train_examples, train_dataset, tokenizer,
+        DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8),
+    )  # fmt: skip
     _train_and_report(
         training_args,
-        (model, tokenizer, DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=8)),
+        (model, tokenizer, collator),
         (train_dataset, eval_sets, split_metrics),
         {**data_record(splits, labels), **truncation},
         write_test_predictions,
@@ -356,7 +367,7 @@ def span_main(data_args: NerDataArguments, model_args: ModelArguments, training_
     types, known_from = span_types(data_args, model_args)
     with training_args.main_process_first(desc="reading the data"):
         splits, types, train_examples, eval_examples = read_span_data(data_args, types, known_from)
-    model, tokenizer = load_span_classifier(model_args, types)
+    model, tokenizer = load_span_classifier(model_args, types, training_args)
     with training_args.main_process_first(desc="tokenizing the data"):
         train_dataset, eval_sets, truncation, most_words = tokenize_span_data(
             data_args, tokenizer, types, train_examples, eval_examples

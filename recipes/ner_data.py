@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 from datasets import Dataset, Features, Sequence, Value
+from tokenizers import pre_tokenizers
 
 from nlp_tricks.data import (
     DataError,
@@ -80,6 +81,16 @@ class NerDataArguments(DataArguments):
         metadata={
             "help": "Train on every sub-token of a word (B-X I-X ...: the IOB2 tags the model trains on), not only "
             "its first sub-token."
+        },
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Distil a teacher: a model folder, an ensemble folder or a k-fold run (recipes/kfold.py: "
+            "out-of-fold targets for the rows it trained on) over the same labels, of any architecture and "
+            "tokenizer. Its soft target per word (its tag distribution) is each training example's teacher_logits "
+            "(--distill_temperature, --distill_alpha); the CRF is off by default with it. See docs/recipes.md, "
+            "K-fold ensembles."
         },
     )
 
@@ -292,6 +303,24 @@ def prepare_ner_tokenizer(config, tokenizer) -> None:
         raise ValueError(f"the NER recipe needs a fast tokenizer (for word_ids); {type(tokenizer).__name__} is not")
     if config.model_type in {"roberta", "deberta", "gpt2", "bloom", "longformer"}:
         tokenizer.add_prefix_space = True  # pre-split words need the leading-space form of BPE vocabularies
+    space_before_every_word(tokenizer)
+
+
+def space_before_every_word(tokenizer) -> None:
+    """Pre-split words are tokenized one by one; give each the form it has after a space in running text, as its
+    pre-tokenizer does only when told: byte-level BPE (Llama-3, Qwen2, SmolLM2, GPT-2: ``ByteLevel``'s
+    ``add_prefix_space``) and SentencePiece ``Metaspace`` that marks the first word only (``prepend_scheme``
+    ``always``). Decoder LMs of any model type get the form their pretraining saw, as RoBERTa does."""
+    pre = getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None)
+    try:
+        parts = list(pre) if isinstance(pre, pre_tokenizers.Sequence) else [pre]
+        for part in parts:
+            if isinstance(part, pre_tokenizers.ByteLevel):
+                part.add_prefix_space = True
+            elif isinstance(part, pre_tokenizers.Metaspace) and part.prepend_scheme == "first":
+                part.prepend_scheme = "always"
+    except (TypeError, AttributeError):  # a tokenizers release without these setters: words keep their own form
+        return
 
 
 def ner_truncation_record(

@@ -63,7 +63,7 @@ def ner_scores(gold: list[list[str]], predicted: list[list[str]], scheme: str | 
 
 
 def entity_scores(scores: dict) -> dict[str, float]:
-    """Per entity type of a ``seqeval_f1`` or :func:`~nlp_tricks.metrics.spans.span_f1` result: ``<TYPE>_precision``,
+    """Per entity type of a :func:`~nlp_tricks.metrics.spans.span_f1` (or ``tag_f1``) result: ``<TYPE>_precision``,
     ``_recall``, ``_f1`` and ``_number`` (its gold entities), flat floats as the Trainer logs metrics (``eval_PER_f1``
     in ``all_results.json``)."""
     return {

@@ -212,12 +212,15 @@ def _most_words(tokenized: Dataset) -> int:
     return pc.max(pc.list_value_length(tokenized.data.column("seen_words"))).as_py() or 0
 
 
-def load_span_classifier(model_args: ModelArguments, types: list[str]):
+def load_span_classifier(model_args: ModelArguments, types: list[str], training_args=None):
     """``(model, tokenizer)``: a model saved with a span head loaded with it (:func:`load_span_model`), or a token
-    classifier over ``types`` whose output layer the span head replaces when the trainer is built."""
+    classifier over ``types`` whose output layer the span head replaces when the trainer is built (trained with
+    ``training_args``)."""
     path = resolve_model_path(model_args.model_name_or_path)
     if saved_span_head(path) is None:
-        model, tokenizer, config = load_classifier(AutoModelForTokenClassification, model_args, types)
+        model, tokenizer, config = load_classifier(
+            AutoModelForTokenClassification, model_args, types, None, training_args
+        )
         prepare_ner_tokenizer(config, tokenizer)
         return model, tokenizer
     config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, model_args.trust_remote_code)

@@ -91,7 +91,6 @@ RECIPE_DEFAULTS = {
     # 7.31 at 1x). Set 1 for a model whose MLM head is trained.
     "head_lr_scale": 10.0,
     "warmup_steps": 0.06,
-    "logging_steps": 25,
     "eval_strategy": "no",
     "save_strategy": "no",
 }
@@ -164,6 +163,19 @@ class PretrainingDataArguments(DataArguments):
 class PretrainingModelArguments(ModelArguments):
     """Which encoder to train further."""
 
+    peft: str = field(
+        default="none",
+        metadata={
+            "help": "Not in this recipe: continued pretraining trains every weight of the encoder and its masked-LM "
+            "head (fresh on the demo model); a LoRA adapter (--peft lora) is for the task recipes (classification, "
+            "NER, self-training, summarization), which can start from the model this one writes.",
+            "choices": ["none", "lora"],
+        },
+    )
+    pad_token: str | None = field(
+        default=None,
+        metadata={"help": "Not in this recipe: a masked LM's tokenizer has its own padding token (and a mask token)."},
+    )
     sparse_prediction: bool = field(
         default=True,
         metadata={
@@ -171,6 +183,16 @@ class PretrainingModelArguments(ModelArguments):
             "(MiniLM: 0.77x the forward + backward). false: the model's full-vocabulary logits at every position."
         },
     )
+
+    def __post_init__(self):
+        if self.peft != "none":
+            raise ValueError(
+                f"peft={self.peft!r}: continued pretraining trains every weight (see --help); --peft lora is for "
+                "the task recipes"
+            )
+        if self.pad_token is not None:
+            raise ValueError("pad_token: a masked LM's tokenizer has its own padding token; drop --pad_token")
+        super().__post_init__()
 
 
 def uses_demo(namespace) -> str | None:

@@ -38,6 +38,8 @@ Features:
 from __future__ import annotations
 
 import copy
+import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +55,13 @@ from nlp_tricks.self_training import PseudoLabels, TeacherLogitsCollator, predic
 
 from classification import CLASSIFICATION_TASK, ClassificationDataArguments
 from common import (
+    DataArguments,
     ModelArguments,
     check_label_arguments,
     exit_if_preempted,
     is_main_process,
+    merge_trained_adapter,
+    print_summary,
     resolve_model_path,
     run_recipe,
     start_recipe,
@@ -75,7 +80,6 @@ RECIPE_DEFAULTS = {
     "weight_decay": 0.01,
     "head_lr_scale": 10.0,
     "eval_strategy": "no",
-    "logging_steps": 50,
     "save_strategy": "no",
 }
 
@@ -94,8 +98,9 @@ class SelfTrainingTask(Protocol):
 
     def read_unlabeled(self, path: str, data) -> list[dict]: ...
 
-    def load_model(self, model_args, labels: list[str], model_path: str) -> tuple:
-        """``(model, tokenizer)`` with a fresh head over ``labels``."""
+    def load_model(self, model_args, labels: list[str], model_path: str, training_args=None) -> tuple:
+        """``(model, tokenizer)`` with a fresh head over ``labels``, ready to train with ``training_args`` (a LoRA
+        adapter with ``--peft lora``)."""
 
     def tokenize(self, examples, tokenizer, label2id: dict, data, train: bool) -> Dataset: ...
 
@@ -253,9 +258,9 @@ def setup_data(task: SelfTrainingTask, data: SelfTrainingDataArguments) -> dict:
 # ---- Model, training, evaluation ---------------------------------------------------------------------------------
 
 
-def build_model(task: SelfTrainingTask, model_path: str, model_args, labels: list[str], seed: int):
-    set_seed(seed)  # the fresh classifier head of every stage starts from the same seed
-    return task.load_model(model_args, labels, model_path)
+def build_model(task: SelfTrainingTask, model_path: str, model_args, labels: list[str], training_args):
+    set_seed(training_args.seed)  # the fresh classifier head of every stage starts from the same seed
+    return task.load_model(model_args, labels, model_path, training_args)
 
 
 def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, eval_sets, training_args, output_dir):
@@ -275,6 +280,7 @@ def train_and_evaluate(task: SelfTrainingTask, model, tokenizer, train_dataset, 
     )
     train_result = trainer.train()
     exit_if_preempted(trainer, "self-training does not resume: rerun it")  # --- Preemption ---
+    merge_trained_adapter(trainer)  # --peft lora --merge_lora true: the stage is saved and scored merged
     trainer.save_model()
     metrics = {"train_loss": train_result.metrics.get("train_loss"), "train_samples": len(train_dataset)}
     for split, prefix in (("validation", "eval"), ("test", "test")):
@@ -343,7 +349,7 @@ def train_teacher(task: SelfTrainingTask, data, data_args, model_args, training_
     labels = data["labels"]
     label2id = {label: i for i, label in enumerate(labels)}
     model, tokenizer = build_model(
-        task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args.seed
+        task, resolve_model_path(model_args.model_name_or_path), model_args, labels, training_args
     )
     labelled_dataset = task.tokenize(data["labelled"], tokenizer, label2id, data_args, train=True)
     model, accelerator, metrics = train_and_evaluate(
@@ -389,7 +395,7 @@ def run_round(
         pseudo_stats["accuracy_of_kept"] = pseudo_label_accuracy(task, pseudo, data["hidden_gold"], labels)
 
     student_path = resolve_model_path(model_args.student_model_name_or_path or model_args.model_name_or_path)
-    model, tokenizer = build_model(task, student_path, model_args, labels, training_args.seed)
+    model, tokenizer = build_model(task, student_path, model_args, labels, training_args)
     train_dataset = student_dataset(
         task, tokenizer, data["labelled"], pseudo_ex, pseudo, label2id, data_args, st_args.soft_labels
     )
@@ -457,6 +463,14 @@ def main() -> None:
         }
         write_json_atomic(out / "self_training_results.json", results)
         print(format_table(task, rounds), flush=True)
+        print_summary(
+            rounds[-1]["student"],  # the headline: the last round's student, the model a user takes
+            out,
+            model_dir=out / f"round_{len(rounds)}" / "student",
+            metrics_file="self_training_results.json",
+            predict_script=str(Path(sys.argv[0]).with_name(f"{data_args.task}.py")),
+            predict_data_flags={f.name for f in dataclasses.fields(DataArguments)},
+        )
 
 
 if __name__ == "__main__":

@@ -157,7 +157,6 @@ RECIPE_DEFAULTS = {
     "per_device_eval_batch_size": 16,
     "weight_decay": 0.01,
     "eval_strategy": "epoch",
-    "logging_steps": 10,
     "save_strategy": "no",
     "predict_with_generate": True,
     "generation_num_beams": 1,
@@ -214,7 +213,7 @@ def main() -> None:
             data_args, tokenizer, train_examples, eval_examples, causal, start
         )
     _set_generation_length(training_args, data_args, train_dataset, causal)
-    unwrapped = model.get_base_model() if model_args.peft == "lora" else model
+    unwrapped = model.get_base_model() if hasattr(model, "peft_config") else model
     stop_ids = stop_token_ids(tokenizer if causal else None, unwrapped)
     metrics_for = summary_metrics(tokenizer, eval_examples, stop_ids, causal)
     compute_metrics = metrics_for.get("validation") if training_args.predict_with_generate else None
@@ -242,9 +241,9 @@ def main() -> None:
 def _setup_model(model_args: SummarizationModelArguments, training_args):
     """``(model, tokenizer, causal)``: the model (a LoRA adapter on it with ``--peft lora``, causal LMs only) and
     whether it is a causal LM, whose seq2seq-only flags are refused."""
-    model, tokenizer = load_model_and_tokenizer(model_args)
+    model, tokenizer = load_model_and_tokenizer(model_args, training_args.do_train)
     causal = is_causal_lm(model.config)
-    if model_args.peft == "lora":
+    if model_args.peft == "lora" and training_args.do_train and not hasattr(model, "peft_config"):
         if not causal:
             raise DataError(
                 None,
@@ -272,12 +271,10 @@ def _setup_trainer(model, tokenizer, causal: bool, arguments: tuple, datasets: t
     """The trainer: a causal LM's generates from the prompts alone (:class:`PromptCompletionTrainer`), a seq2seq
     model's is :class:`~nlp_tricks.seq2seq.Seq2SeqTricksTrainer`. ``arguments``: ``(model_args, training_args)``;
     ``datasets``: ``(train_dataset, eval_datasets)``. No validation data: no evaluation during training."""
-    model_args, training_args = arguments
+    _, training_args = arguments
     train_dataset, eval_datasets = datasets
-    trainer_kwargs = {}
     if causal:
         trainer_class, collator = PromptCompletionTrainer, PromptCompletionCollator(tokenizer.pad_token_id)
-        trainer_kwargs["merge_adapter"] = model_args.peft == "lora" and model_args.merge_lora
     else:
         trainer_class = Seq2SeqTricksTrainer
         collator = DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8)
@@ -286,7 +283,6 @@ def _setup_trainer(model, tokenizer, causal: bool, arguments: tuple, datasets: t
         training_args,
         train_dataset,
         eval_datasets,
-        **trainer_kwargs,
         model=model,
         processing_class=tokenizer,
         data_collator=collator,

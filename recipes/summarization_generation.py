@@ -78,23 +78,9 @@ class PromptCompletionTrainer(TricksTrainer):
     :func:`stop_token_ids`) and returned without the prompt, with the batch's labels (the recipe's
     ``compute_metrics`` scores against the split's whole reference texts, so the labels only tell Trainer's loop
     that there is something to score). Trainer's own loop does the rest (batches, progress bar, gathering across
-    processes in order, ``compute_metrics``).
-
-    Args:
-        merge_adapter: a LoRA model (``peft``) is merged into its base weights when training ends, so that the saved
-            model is a plain one and evaluation runs without the adapter. Checkpoints keep the adapter.
+    processes in order, ``compute_metrics``). A LoRA model built with ``--merge_lora`` is merged when training ends
+    (``common.merge_trained_adapter``, in the recipes' end of run), so evaluation runs without the adapter.
     """
-
-    def __init__(self, *args, merge_adapter: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.merge_adapter = merge_adapter
-
-    def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
-        if self.merge_adapter and hasattr(self.model, "merge_and_unload"):
-            self.model = self.model.merge_and_unload()
-            self.model_wrapped = self.model
-        return output
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = dict(inputs)

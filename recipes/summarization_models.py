@@ -1,10 +1,9 @@
-"""The summarization recipe's model: its flags (LoRA's among them), a seq2seq model, a causal LM or a BERT2BERT model
-built from an encoder, and a LoRA adapter."""
+"""The summarization recipe's model: its flags (the LoRA flags are every recipe's: common/peft.py), a seq2seq model, a
+causal LM or a BERT2BERT model built from an encoder, and a LoRA adapter."""
 
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 
 from transformers import (
@@ -13,10 +12,6 @@ from transformers import (
     EncoderDecoderConfig,
     EncoderDecoderModel,
 )
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-)
 
 from nlp_tricks.data import DataError
 from nlp_tricks.runtime.checkpoint import is_state_dict_file, load_state_dict_portable
@@ -24,36 +19,33 @@ from nlp_tricks.seq2seq import tie_encoder_decoder
 
 from common import (
     ModelArguments,
+    adapter_config,
+    choose_pad_token,
+    fit_model_to_tokenizer,
+    is_causal_lm,
     load_config_and_tokenizer,
     load_weights,
     one_line_load_errors,
     resolve_model_path,
 )
+from common import add_lora as add_task_lora
+from common.peft import LORA_DEFAULTS, LORA_INITS, load_adapter
+
+__all__ = [
+    "DEMO_MODEL",
+    "LORA_DEFAULTS",
+    "LORA_INITS",
+    "SummarizationModelArguments",
+    "add_lora",
+    "check_causal_lm_arguments",
+    "is_causal_lm",
+    "load_causal_lm",
+    "load_model_and_tokenizer",
+]
 
 # The default model, and the defaults it brings (unless given): a LoRA adapter at its learning rate, documents cut
 # where ACLSum's end, no generation on validation during training. Measured on ACLSum, 2-core CPU (docs/recipes.md).
 DEMO_MODEL = "smollm2-demo"
-
-
-LORA_DEFAULTS = {
-    "lora_r": 16,
-    "lora_alpha": 32.0,
-    "lora_dropout": 0.0,  # PEFT's: dropout masks on every adapted layer's input cost a fifth of a demo step
-    "lora_target_modules": ["all-linear"],
-    "lora_init": "default",
-}
-
-
-LORA_SWITCHES = ("lora_use_rslora", "lora_use_dora")
-
-
-# --lora_init: PEFT's `init_lora_weights` values that need nothing but the model (not eva / corda / loftq, which take
-# data or a quantization config); "default" is PEFT's True (Kaiming-uniform A, zero B).
-LORA_INITS = ("default", "gaussian", "pissa", "pissa_niter_<n>", "olora", "orthogonal")
-
-
-# These start the adapter from the model's principal directions and subtract them from its own weights.
-LORA_INITS_CHANGING_THE_MODEL = ("pissa", "olora")
 
 
 @dataclass
@@ -89,116 +81,25 @@ class SummarizationModelArguments(ModelArguments):
             "choices": ["none", "lora"],
         },
     )
-    lora_r: int | None = field(
-        default=None,
-        metadata={"help": f"--peft lora: rank of the adapter matrices (default {LORA_DEFAULTS['lora_r']})."},
-    )
-    lora_alpha: float | None = field(
-        default=None,
-        metadata={
-            "help": "--peft lora: scaling of the adapter's update, alpha / r "
-            f"(default {LORA_DEFAULTS['lora_alpha']:g})."
-        },
-    )
-    lora_dropout: float | None = field(
-        default=None,
-        metadata={"help": f"--peft lora: dropout on the adapter's input (default {LORA_DEFAULTS['lora_dropout']:g})."},
-    )
-    lora_target_modules: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "--peft lora: names of the linear layers that get an adapter (e.g. q_proj v_proj), or "
-            "'all-linear' (every linear layer but the output head; default "
-            f"{' '.join(LORA_DEFAULTS['lora_target_modules'])})."
-        },
-    )
-    lora_use_rslora: bool = field(
-        default=False,
-        metadata={
-            "help": "--peft lora: rank-stabilised LoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732): the "
-            "update is scaled by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."
-        },
-    )
-    lora_use_dora: bool = field(
-        default=False,
-        metadata={
-            "help": "--peft lora: DoRA (Liu et al. 2024, https://arxiv.org/abs/2402.09353): the adapted weight is a "
-            "trained magnitude per output times the direction W + BA (PEFT's use_dora; slower steps)."
-        },
-    )
-    lora_init: str | None = field(
-        default=None,
-        metadata={
-            "help": "--peft lora: how the adapter starts (PEFT's init_lora_weights): 'default' (Kaiming-uniform A, "
-            "zero B: the model unchanged), 'gaussian', 'pissa' (Meng et al. 2024, https://arxiv.org/abs/2404.02948: "
-            "A and B from the weights' principal singular vectors, the rest left in the weights), 'pissa_niter_<n>' "
-            "(the same by a fast SVD of n iterations), 'olora' (Buyukakyuz 2024: from a QR decomposition) or "
-            "'orthogonal'. pissa and olora change the model's own weights, so they need --merge_lora (the default). "
-            "Default 'default'."
-        },
-    )
-    merge_lora: bool = field(
-        default=True,
-        metadata={
-            "help": "--peft lora: after training, merge the adapter into the model's weights, so --output_dir holds "
-            "a plain model (it reloads with from_pretrained and --model_name_or_path) and evaluation generates "
-            "without the adapter's extra products. false: --output_dir holds the adapter alone "
-            "(adapter_config.json, adapter_model.safetensors; peft's AutoPeftModelForCausalLM reloads it)."
-        },
-    )
-
-    def __post_init__(self):
-        lora_fields = tuple(LORA_DEFAULTS)
-        if self.peft == "none":
-            given = [name for name in lora_fields if getattr(self, name) is not None]
-            given += [name for name in LORA_SWITCHES if getattr(self, name)]
-            if given:
-                raise ValueError(f"{given[0]} applies to a LoRA adapter; add --peft lora (it is 'none')")
-            return
-        for name in lora_fields:
-            if getattr(self, name) is None:
-                setattr(self, name, copy.copy(LORA_DEFAULTS[name]))
-        if self.lora_r < 1:
-            raise ValueError(f"lora_r={self.lora_r} is not allowed; it must be >= 1")
-        if not self.lora_alpha > 0:
-            raise ValueError(f"lora_alpha={self.lora_alpha} is not allowed; it must be > 0")
-        if not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"lora_dropout={self.lora_dropout} is not allowed; it must be in [0, 1)")
-        if not self.lora_target_modules or any(not name.strip() for name in self.lora_target_modules):
-            raise ValueError("lora_target_modules: give at least one module name (e.g. q_proj v_proj) or all-linear")
-        if not re.fullmatch(r"default|gaussian|pissa|pissa_niter_\d+|olora|orthogonal", self.lora_init):
-            raise ValueError(f"lora_init={self.lora_init!r} is not allowed; choose one of {', '.join(LORA_INITS)}")
-        if self.lora_init.startswith(LORA_INITS_CHANGING_THE_MODEL) and not self.merge_lora:
-            raise ValueError(
-                f"lora_init={self.lora_init!r} moves the weights' principal part into the adapter, so an adapter "
-                "saved alone (--merge_lora false) would not fit the original model; keep --merge_lora true"
-            )
 
 
-def is_causal_lm(config) -> bool:
-    """Whether a checkpoint is a decoder-only causal LM: not encoder-decoder, and its architecture is one of
-    transformers' causal LMs (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), or, without a recorded architecture,
-    its model type has a causal LM and no masked LM (BERT has both: it is an encoder, for BERT2BERT)."""
-    if getattr(config, "is_encoder_decoder", False):
-        return False
-    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if any(name in causal_classes for name in getattr(config, "architectures", None) or []):
-        return True
-    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in (
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES
-    )
-
-
-def load_model_and_tokenizer(model_args: SummarizationModelArguments):
-    """A seq2seq model as it is, a causal LM as it is, or BERT2BERT warm-started from an encoder-only model on both
-    sides."""
+def load_model_and_tokenizer(model_args: SummarizationModelArguments, train: bool = True):
+    """A seq2seq model as it is, a causal LM as it is (a folder holding a LoRA adapter, ``--merge_lora false``: on
+    its base model, see :func:`~common.peft.load_adapter`; ``train``: for training), or BERT2BERT warm-started from an
+    encoder-only model on both sides."""
     path = resolve_model_path(model_args.model_name_or_path)
+    adapter = adapter_config(path)
     state_dict_file = is_state_dict_file(path)
-    source = resolve_model_path(None) if state_dict_file else path
+    base = adapter["base_model_name_or_path"] if adapter else path
+    source = resolve_model_path(None) if state_dict_file else base
     remote = model_args.trust_remote_code
-    config, tokenizer = load_config_and_tokenizer(path, model_args.tokenizer_name, remote)
+    # A run saved its tokenizer beside its adapter.
+    config, tokenizer = load_config_and_tokenizer(base, model_args.tokenizer_name or (adapter and path), remote)
     if not state_dict_file and is_causal_lm(config):
-        return load_causal_lm(source, config, tokenizer, remote), tokenizer
+        model = load_causal_lm(source, config, tokenizer, remote, model_args.pad_token)
+        return (load_adapter(model, path, model_args, train) if adapter else model), tokenizer
+    if model_args.pad_token is not None:
+        raise DataError(None, None, f"--pad_token: {path} is no causal LM; its tokenizer pads as it is")
     flag = f"--model_name_or_path {model_args.model_name_or_path}"
     if config.is_encoder_decoder:
         with one_line_load_errors(flag, source):
@@ -223,39 +124,23 @@ def load_model_and_tokenizer(model_args: SummarizationModelArguments):
     return model, tokenizer
 
 
-def load_causal_lm(source: str, config, tokenizer, trust_remote_code: bool = False):
-    """``AutoModelForCausalLM`` from ``source``; a tokenizer without a padding token pads with EOS (GPT-2)."""
+def load_causal_lm(source: str, config, tokenizer, trust_remote_code: bool = False, pad_token: str | None = None):
+    """``AutoModelForCausalLM`` from ``source``; a tokenizer without a padding token pads with EOS (GPT-2), or with
+    ``pad_token`` (``--pad_token``; a new one is added to the vocabulary and the model grows to it)."""
     if tokenizer.eos_token_id is None:
         raise DataError(None, None, f"--model_name_or_path {source}: its tokenizer has no EOS token to end a summary")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    # A generated summary ends at EOS; padding with it keeps every row's tail one token (generate's own convention).
+    choose_pad_token(tokenizer, pad_token, f"--model_name_or_path {source}", preference=("eos_token",))
     model = load_weights(AutoModelForCausalLM, source, config, trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
+    fit_model_to_tokenizer(model, tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
 def add_lora(model, model_args: SummarizationModelArguments):
-    """``model`` wrapped in a LoRA adapter (``peft``) as the ``--lora_*`` flags say: only the adapter trains."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:
-        raise DataError(None, None, "--peft lora needs the package 'peft': pip install peft") from err
-    targets = model_args.lora_target_modules
-    config = LoraConfig(
-        r=model_args.lora_r,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-        use_rslora=model_args.lora_use_rslora,
-        use_dora=model_args.lora_use_dora,
-        init_lora_weights=True if model_args.lora_init == "default" else model_args.lora_init,
-        task_type="CAUSAL_LM",
-    )
-    try:
-        return get_peft_model(model, config)
-    except ValueError as err:  # a target module the model does not have
-        raise DataError(None, None, f"--lora_target_modules {' '.join(targets)}: {str(err).splitlines()[0]}") from err
+    """``model`` (a causal LM) wrapped in a LoRA adapter as the ``--lora_*`` flags say (the recipes' shared
+    :func:`common.add_lora`): only the adapter trains; merged when training ends with ``--merge_lora``."""
+    return add_task_lora(model, model_args, "CAUSAL_LM")
 
 
 def check_causal_lm_arguments(training_args) -> None:

@@ -108,6 +108,7 @@ def run_one(
     node: str | None = None,
     die_with_parent: bool = False,
     where: str | None = None,
+    label: str = "ablation",
 ) -> dict:
     """Run ``script`` once (unless it finished with these flags); return its record: results, time, memory, node.
 
@@ -116,6 +117,7 @@ def run_one(
         node: where it runs, written into the record (default this machine's host name; Ray: the node id).
         die_with_parent: the run is killed when this process dies (Linux; the Ray backend's tasks).
         where: how a failure names the place it ran (default ``node``).
+        label: the tag of the lines it prints (``[ablation]``; the k-fold run's ``[kfold]``).
     """
     run_dir = Path(run_dir)
     results_path = run_dir / "all_results.json"
@@ -124,12 +126,12 @@ def run_one(
     if record is not None:
         return record
     if results_path.is_file() and record_path.is_file():
-        print(f"[ablation] {run_dir}: finished with other flags, running it again", flush=True)
+        print(f"[{label}] {run_dir}: finished with other flags, running it again", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     node = node or socket.gethostname()
     # The runner owns run_dir: what an earlier attempt left there (other flags, a crash) is replaced.
     command = [sys.executable, script, "--output_dir", str(run_dir), "--overwrite_output_dir", "true", *flags]
-    print(f"[ablation] {' '.join(command)}", flush=True)
+    print(f"[{label}] {' '.join(command)}", flush=True)
     preexec = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
     start = time.perf_counter()
     with open(run_dir / LOG, "w") as log:

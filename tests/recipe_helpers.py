@@ -176,6 +176,25 @@ CLS_ROWS = [
 ]
 
 
+# Nested entities, one span of two types (bank of new york: LOC and GPE), a sentence without entities: JSON lines
+# records of the span-head recipes.
+NESTED = [
+    {"tokens": "john works at the bank of new york".split(), "entities": [
+        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 8, "type": "ORG"},
+        {"start": 6, "end": 8, "type": "LOC"}, {"start": 6, "end": 8, "type": "GPE"}]},
+    {"tokens": "mary ran in paris".split(), "entities": [
+        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 4, "type": "LOC"}]},
+    {"tokens": "the cat sat on the mat".split(), "entities": []},
+    {"tokens": "acme in london".split(), "entities": [
+        {"start": 0, "end": 3, "type": "ORG"}, {"start": 2, "end": 3, "type": "LOC"}]},
+]  # fmt: skip
+
+
+def write_jsonl(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
 def write_csv(path: Path, rows: list[tuple[str, str]]) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)

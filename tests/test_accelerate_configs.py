@@ -17,6 +17,7 @@ CONFIG_DIR = ROOT / "accelerate_configs"
 # name -> (distributed_type, mixed_precision, num_machines, use_cpu)
 EXPECTED = {
     "cpu": ("NO", "no", 1, True),
+    "one_process": ("NO", "no", 1, False),  # the README's: the GPU where there is one, else the CPU
     "single_gpu": ("NO", "no", 1, False),
     "multi_gpu": ("MULTI_GPU", "no", 1, False),
     "multi_gpu_fp16": ("MULTI_GPU", "fp16", 1, False),

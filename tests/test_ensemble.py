@@ -138,18 +138,26 @@ def test_entity_spans_are_seqevals_entities():
         assert entity_spans(tags) == get_entities(tags), tags
 
 
-@pytest.mark.parametrize("scheme", ["BIO", "BIOES", "BILOU"])
+@pytest.mark.parametrize("scheme", ["BIO", "BIOES", "BILOU", "BMES"])
 def test_spans_to_tags_reads_back_as_the_same_entities(scheme):
     spans = [("PER", 0, 0), ("LOC", 1, 3), ("PER", 4, 5), ("LOC", 7, 7)]
     tags = spans_to_tags(spans, 9, scheme)
     if scheme == "BIO":
         assert tags == ["B-PER", "B-LOC", "I-LOC", "I-LOC", "B-PER", "I-PER", "O", "B-LOC", "O"]
-    if scheme != "BILOU":  # seqeval's default mode reads BIO and BIOES (not L- / U-)
+    if scheme == "BMES":
+        assert tags == ["S-PER", "B-LOC", "M-LOC", "E-LOC", "B-PER", "E-PER", "O", "S-LOC", "O"]
+        assert tag_scheme(["O", *tags]) == "BMES"
+    if scheme in ("BIO", "BIOES"):  # seqeval's default mode reads BIO and BIOES (not L- / U-, M-)
         from seqeval.metrics.sequence_labeling import get_entities
 
         assert get_entities(tags) == spans
     assert entity_spans(tags) == spans
     assert tag_scheme(["O", "B-X", "I-X"]) == "BIO" and tag_scheme(["O", "S-X", "B-X", "E-X"]) == "BIOES"
+
+
+def test_entity_spans_read_a_tag_without_a_prefix_as_inside_an_entity_of_its_type():
+    # A model's own labels (PER, LOC): each run of one label is an entity; an empty tag is O.
+    assert entity_spans(["PER", "PER", "LOC", "", "O", "PER"]) == [("PER", 0, 1), ("LOC", 2, 2), ("PER", 5, 5)]
 
 
 def _vote_by_hand(member_tags, threshold):

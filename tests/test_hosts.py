@@ -506,6 +506,22 @@ def test_seq2seq_trainer_with_no_trick_is_the_host(tmp_path):
     assert _logs(ours, ("loss",)) == _logs(host, ("loss",)) and _same_weights(ours.model, host.model)
 
 
+def test_plain_trainer_with_no_trick_is_the_host_and_takes_fgm(tmp_path):
+    """with_tricks(Trainer) itself: upstream's step below it (no second Trainer in its bases)."""
+    from transformers import Trainer, TrainingArguments
+
+    def run(cls, **kwargs):
+        args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), **COMMON)
+        trainer = cls(model=bart_lm(), args=args, train_dataset=seq2seq_data(), **kwargs)
+        trainer.train()
+        return trainer
+
+    host, ours = run(Trainer), run(with_tricks(Trainer))
+    assert _logs(ours, ("loss",)) == _logs(host, ("loss",)) and _same_weights(ours.model, host.model)
+    attacked = run(with_tricks(Trainer), tricks_config=TricksConfig(adversarial="fgm"))
+    assert "loss_adv" in attacked.state.log_history[0] and not _same_weights(attacked.model, host.model)
+
+
 def test_a_trainer_that_is_not_a_transformers_trainer_is_refused_with_what_to_do():
     class Trainer:  # setfit.Trainer runs its own loop
         pass

@@ -577,7 +577,7 @@ def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
     again = subprocess.run([*command[:2], "--jobs", "2", *command[2:]], cwd=ROOT, env=env(), capture_output=True,
                            text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    started = [line for line in again.stdout.splitlines() if line.startswith("[ablation] ")]
+    started = [line for line in again.stdout.splitlines() if line.startswith("[kfold] ") and "--output_dir" in line]
     assert len(started) == 1 and str(out / "fold1") in started[0]
     assert (out / "fold0" / "ablation_log.txt").stat().st_mtime_ns == first_fold
     results = json.loads((out / "all_results.json").read_text())
@@ -588,27 +588,36 @@ def test_kfold_subprocess_jobs_resume_after_a_kill(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_kfold_evidence_tiny_end_to_end(tiny_model, tmp_path):
-    """`recipes/kfold_evidence.py`: the four systems per seed, each row's metric the mean of its test predictions
-    rescored, the single model's difference from itself 0."""
+    """`recipes/kfold_evidence.py`: every system per seed, each row's metric the mean of its test predictions
+    rescored, the single model's difference from itself 0, the ensembles' members' means read back; a rerun trains
+    nothing."""
     (tmp_path / "train.conll").write_text(NER_TRAIN + "\nMary B-PER\nworks O\nat O\nAcme B-ORG\n")
     (tmp_path / "test.conll").write_text(TEST_CONLL)
     out = tmp_path / "ev"
+    teacher = _token_classifier(tmp_path / "teacher", ["B-LOC", "B-ORG", "B-PER", "O"], chars=True)
     command = [sys.executable, str(ROOT / "recipes" / "kfold_evidence.py"), "--recipe", "ner", "--seeds", "1",
-               "--folds", "2", "--jobs", "2", "--unlabeled_fraction", "0.4", "--resamples", "200", "--output_dir",
-               str(out), "--", *tiny_flags(tiny_model, "--crf", "false"), "--train_file",
+               "--folds", "2", "--full_fit_seeds", "2", "--teacher", str(teacher), "--jobs", "2", "--resamples", "200",
+               "--output_dir", str(out), "--", *tiny_flags(tiny_model, "--crf", "false"), "--train_file",
                str(tmp_path / "train.conll"), "--test_file", str(tmp_path / "test.conll")]  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "kfold_evidence.json").read_text())
-    assert [row["system"] for row in report["rows"]] == ["single", "ensemble", "ensemble + pseudo-labels", "student"]
-    assert report["data"]["labelled"] == 4 and report["data"]["unlabeled"] == 3
+    systems = ["single", "ensemble", "full-fit seeds", "soup", "ensemble + rules", "student", "teacher's student"]
+    assert [row["system"] for row in report["rows"]] == systems
+    assert report["data"]["train"] == 7
     for row in report["rows"]:
         folders = [seed["folders"][row["system"]] for seed in report["seeds"]]
         f1s = [seqeval_scores(Path(folder) / "test_predictions.txt")["f1"] for folder in folders]
         assert row["metric"] == pytest.approx(np.mean(f1s), abs=1e-12)
-        assert row["train_seconds"] > 0 and row["test_predict_seconds"] > 0
+        assert row["train_seconds"] > 0 and row["test_predict_seconds"] > 0, row["system"]
     assert report["rows"][0]["difference"]["value"] == 0.0
-    assert "| ensemble + pseudo-labels |" in (out / "kfold_evidence.md").read_text()
+    kfold_results = json.loads((out / "seed1" / "kfold" / "all_results.json").read_text())
+    ensemble = report["rows"][1]
+    assert ensemble["minus_mean_member"] == pytest.approx(ensemble["metric"] - kfold_results["fold_test_f1_mean"])
+    assert report["baseline"]["system"] == "trivial baseline: gazetteer"
+    assert "| ensemble + rules |" in (out / "kfold_evidence.md").read_text()
+    again = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
+    assert again.returncode == 0 and "[ablation] " not in again.stdout and "[kfold_evidence] " not in again.stdout
 
 
 def _token_classifier(path: Path, labels: list[str], chars: bool) -> Path:

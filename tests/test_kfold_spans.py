@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from nlp_tricks import load_span_model
 from nlp_tricks.functional.spans import span_scores
-from recipe_helpers import TEST_CONLL, run_in_process
+from recipe_helpers import NESTED, TEST_CONLL, run_in_process, write_jsonl
 
 import kfold
 
@@ -28,17 +28,7 @@ import kfold
 SPAN_FLAGS = ["--span_head_size", "16", "--learning_rate", "1e-5"]
 # Nested entities (GPE only in the first sentence: the fold that holds it out trains without it), one span of two
 # types, a sentence without entities.
-NESTED_TRAIN = [
-    {"tokens": "john works at the bank of new york".split(), "entities": [
-        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 8, "type": "ORG"},
-        {"start": 6, "end": 8, "type": "LOC"}, {"start": 6, "end": 8, "type": "GPE"}]},
-    {"tokens": "mary ran in paris".split(), "entities": [
-        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 4, "type": "LOC"}]},
-    {"tokens": "the cat sat on the mat".split(), "entities": []},
-    {"tokens": "acme in london".split(), "entities": [
-        {"start": 0, "end": 3, "type": "ORG"}, {"start": 2, "end": 3, "type": "LOC"}]},
-    {"tokens": "john ran".split(), "entities": [{"start": 0, "end": 1, "type": "PER"}]},
-]  # fmt: skip
+NESTED_TRAIN = [*NESTED, {"tokens": "john ran".split(), "entities": [{"start": 0, "end": 1, "type": "PER"}]}]
 NESTED_TEST = [
     {"tokens": "mary works at acme in paris".split(), "entities": [
         {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 6, "type": "ORG"},
@@ -55,11 +45,6 @@ FLAT_TEST = TEST_CONLL + "".join(
         ("mary sat on the mat in london", "B-PER O O O O O B-LOC"),
     )
 )
-
-
-def _jsonl(path: Path, records: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return str(path)
 
 
 def _read(path: Path) -> list[dict]:
@@ -251,8 +236,8 @@ def test_kfold_flat_span_models_average_scores_decode_once_vote_and_predict_as_a
 
 
 def test_kfold_nested_span_models_every_type_and_fold_wise_pseudo_labels(tiny_model, tmp_path, monkeypatch):
-    train = _jsonl(tmp_path / "train.jsonl", NESTED_TRAIN)
-    test = _jsonl(tmp_path / "test.jsonl", NESTED_TEST)
+    train = write_jsonl(tmp_path / "train.jsonl", NESTED_TRAIN)
+    test = write_jsonl(tmp_path / "test.jsonl", NESTED_TEST)
     (tmp_path / "raw.txt").write_text(RAW_TEXT)
     out = tmp_path / "kf"
     argv = kfold_argv(

@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nlp_tricks"
 MAX_FUNCTION_LINES = 60
 MAX_TRAINER_LINES = 750
-# Being split by another change; its functions are held to the rule once that lands.
-SPLIT_ELSEWHERE = {"data/readers.py": "iter_conll / iter_csv are being split by the readers' own change"}
 
 
 def _relative(path: Path) -> str:
@@ -55,21 +53,12 @@ def _imports_from(path: Path, *packages: str) -> list[str]:
     return [m for m in _imported_modules(path) if any(m == p or m.startswith(p + ".") for p in packages)]
 
 
-def _with_exception(paths: list[Path], exceptions: dict[str, str]) -> list:
-    return [
-        pytest.param(p, marks=pytest.mark.xfail(strict=False, reason=exceptions[_relative(p)]))
-        if _relative(p) in exceptions
-        else p
-        for p in paths
-    ]
-
-
 def test_the_trainer_module_stays_small():
     lines = len((PACKAGE / "trainer.py").read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_TRAINER_LINES, f"nlp_tricks/trainer.py has {lines} lines; move a cohesive part to runtime/"
 
 
-@pytest.mark.parametrize("path", _with_exception(_modules(), SPLIT_ELSEWHERE), ids=_relative)
+@pytest.mark.parametrize("path", _modules(), ids=_relative)
 def test_no_function_is_longer_than_60_lines(path):
     assert not _long_functions(path.read_text(encoding="utf-8"), _relative(path))
 

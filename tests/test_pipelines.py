@@ -294,6 +294,21 @@ def test_import_nlp_tricks_registers_the_pipelines_without_importing_transformer
     assert proc.stdout.split() == ["TokenClassificationPipelineWithHeads", "TextClassificationPipelineWithHeads"]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: 5-15 s
+def test_importing_the_pipelines_module_first_registers_them_without_a_warning():
+    """``import nlp_tricks.pipelines`` imports transformers' pipelines, whose import hook must not re-enter the module
+    half-way (a circular import that warned and registered nothing)."""
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "import nlp_tricks.pipelines\n"
+        "from transformers.pipelines import PIPELINE_REGISTRY\n"
+        "print(PIPELINE_REGISTRY.check_task('ner')[1]['impl'].__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["TokenClassificationPipelineWithHeads"]
+
+
 def test_the_model_card_names_what_the_folder_holds():
     from nlp_tricks.model_card import model_card
 

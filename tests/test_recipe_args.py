@@ -1,11 +1,8 @@
 """recipes/common: one parse of the command line (config file + overrides, task-dependent defaults; common/parsing.py,
-common/config_file.py), the start every recipe shares (common/start.py) and the thread count of a single CPU process
-under `accelerate launch` (common/run.py)."""
+common/config_file.py) and the start every recipe shares (common/start.py); the thread count:
+tests/test_recipe_threads.py."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -248,46 +245,3 @@ def test_recipe_tricks_help_names_its_evidence_defaults(capsys):
     with pytest.raises(SystemExit) as info:
         parse_recipe_args(NER_TYPES, "ner", argv=["--tricks", "some"])
     assert info.value.code == 2
-
-
-@pytest.fixture
-def fake_launcher(monkeypatch):
-    """A stand-in `accelerate launch` parent process whose environment and command line the test chooses."""
-    procs = []
-
-    def start(env: dict, args: list[str]):
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "launch", *args], env=env)
-        procs.append(proc)
-        monkeypatch.setattr(os, "getppid", lambda: proc.pid)
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads the launcher's /proc entries")
-@pytest.mark.parametrize(
-    "launcher_env, launcher_args, uses_every_core",
-    [
-        ({}, [], True),  # accelerate's own default of 1 thread: every core
-        ({"OMP_NUM_THREADS": "1"}, [], False),  # the user's choice: kept
-        ({}, ["--num_cpu_threads_per_process", "1"], False),  # the user's choice: kept
-    ],
-)
-def test_single_cpu_process_uses_every_core_unless_the_user_chose(
-    fake_launcher, launcher_env, launcher_args, uses_every_core
-):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | launcher_env
-    fake_launcher(env, launcher_args)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        common.use_every_core()
-        expected = len(os.sched_getaffinity(0)) if uses_every_core else 1
-        assert torch.get_num_threads() == expected
-    finally:
-        torch.set_num_threads(before)

@@ -241,3 +241,30 @@ def test_a_label_token_run_resumes_from_its_checkpoint(llama, data, tmp_path, mo
     np.testing.assert_allclose(
         np.load(parts / "test_probabilities.npy"), np.load(whole / "test_probabilities.npy"), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("merge", ["true", "false"])
+def test_lora_label_token_run_saves_a_model_or_an_adapter_that_reloads(llama, data, tmp_path, monkeypatch, merge):
+    """--peft lora: an adapter on the body, the LM head frozen (no modules_to_save: its rows are the scores); merged,
+    the folder is a causal LM; unmerged, the adapter alone with label_token.json, loaded on its base model."""
+    out = tmp_path / "out"
+    lora = ["--peft", "lora", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj", "--merge_lora", merge]
+    args = flags(llama, out, "--head", "label_token", *LABEL_WORDS, *lora, *data)
+    assert run_in_process("classification", args, monkeypatch) == 0
+    assert (out / "label_token.json").is_file()
+    if merge == "true":
+        assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "LlamaForCausalLM"
+    else:
+        from safetensors import safe_open
+
+        adapter = json.loads((out / "adapter_config.json").read_text())
+        assert not adapter.get("modules_to_save") and adapter["base_model_name_or_path"] == str(Path(llama).resolve())
+        with safe_open(out / "adapter_model.safetensors", "pt") as f:
+            names = list(f.keys())
+        assert names and all("lora_" in name and "lm_head" not in name for name in names)
+    again = tmp_path / "again"
+    args = ["--model_name_or_path", str(out), "--do_train", "false", "--output_dir", str(again), *data]
+    assert run_in_process("classification", args, monkeypatch) == 0
+    np.testing.assert_allclose(
+        np.load(again / "test_probabilities.npy"), np.load(out / "test_probabilities.npy"), rtol=1e-5
+    )  # merged on load or kept as an adapter: float32 round-off

@@ -76,22 +76,6 @@ def test_metric_modules_are_local_files():
         metric_path("bleu")
 
 
-def test_seqeval_entity_scores_by_hand():
-    metric = load_metric("seqeval_f1")
-    references = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O"]]
-    predictions = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG", "O"]]
-    scores = metric.compute(predictions=predictions, references=references)
-    # Entities: gold {PER(0-1), LOC(3), ORG(s2)}; predicted {PER(0-1), ORG(3), ORG(s2)}: 2 of 3 right both ways.
-    assert scores["precision"] == pytest.approx(2 / 3)
-    assert scores["recall"] == pytest.approx(2 / 3)
-    assert scores["f1"] == pytest.approx(2 / 3)
-    assert scores["accuracy"] == pytest.approx(5 / 6)
-    assert scores["LOC"]["recall"] == 0.0 and scores["ORG"]["precision"] == pytest.approx(1 / 2)
-    # A wrong boundary is a wrong entity: B-PER I-PER vs B-PER O.
-    scores = metric.compute(predictions=[["B-PER", "O"]], references=[["B-PER", "I-PER"]])
-    assert scores["f1"] == 0.0
-
-
 def test_rouge_by_hand():
     metric = evaluate.load(metric_path("rouge"), keep_in_memory=True)
     scores = metric.compute(

@@ -19,23 +19,7 @@ from nlp_tricks.data import demo_ner
 from nlp_tricks.data.spans import first_sub_tokens, tags_to_spans
 from nlp_tricks.functional.spans import decode_spans, span_scores
 from nlp_tricks.metrics.spans import span_f1
-from recipe_helpers import TEST_CONLL, demo_installed, ner_files, run_in_process, tiny_args
-
-NESTED = [
-    {"tokens": "john works at the bank of new york".split(), "entities": [
-        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 8, "type": "ORG"},
-        {"start": 6, "end": 8, "type": "LOC"}, {"start": 6, "end": 8, "type": "GPE"}]},
-    {"tokens": "mary ran in paris".split(), "entities": [
-        {"start": 0, "end": 1, "type": "PER"}, {"start": 3, "end": 4, "type": "LOC"}]},
-    {"tokens": "the cat sat on the mat".split(), "entities": []},
-    {"tokens": "acme in london".split(), "entities": [
-        {"start": 0, "end": 3, "type": "ORG"}, {"start": 2, "end": 3, "type": "LOC"}]},
-]  # fmt: skip
-
-
-def _jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return str(path)
+from recipe_helpers import NESTED, TEST_CONLL, demo_installed, ner_files, run_in_process, tiny_args, write_jsonl
 
 
 def _read(path):
@@ -135,7 +119,7 @@ def test_flat_data_scores_its_predictions_and_a_reloaded_model_predicts_the_same
 
 
 def test_nested_data_trains_predicts_and_scores_its_predictions(tiny_model, tmp_path, monkeypatch):
-    data = _jsonl(tmp_path / "nested.jsonl", NESTED)
+    data = write_jsonl(tmp_path / "nested.jsonl", NESTED)
     files = ["--train_file", data, "--validation_file", data, "--test_file", data]
     out = tmp_path / "out"
     flags = ["--span_head", "efficient_global_pointer", "--span_head_size", "16", "--max_steps", "3"]
@@ -164,7 +148,7 @@ def _last_line(capsys) -> str:
 
 
 def test_bad_spans_and_clashing_flags_are_one_line(tiny_model, tmp_path, monkeypatch, capsys):
-    bad = _jsonl(
+    bad = write_jsonl(
         tmp_path / "bad.jsonl", [NESTED[1], {"tokens": ["a", "b"], "entities": [{"start": 2, "end": 1, "type": "X"}]}]
     )
     out = tmp_path / "out"
@@ -173,10 +157,10 @@ def test_bad_spans_and_clashing_flags_are_one_line(tiny_model, tmp_path, monkeyp
     assert _last_line(capsys).startswith(f"{bad}:2: field 'entities'[0] is inverted: end 1 < start 2")
     assert not out.exists() or not (out / "all_results.json").exists()
 
-    unseen = _jsonl(
+    unseen = write_jsonl(
         tmp_path / "unseen.jsonl", [{"tokens": ["a"], "entities": [{"start": 0, "end": 1, "type": "NEW"}]}]
     )
-    data = _jsonl(tmp_path / "nested.jsonl", NESTED)
+    data = write_jsonl(tmp_path / "nested.jsonl", NESTED)
     args = tiny_args(tiny_model, out, "--train_file", data, "--test_file", unseen, "--span_head", "global_pointer")
     assert run_in_process("ner", args, monkeypatch) == 1
     assert _last_line(capsys).startswith(f"{unseen}:1: entity type 'NEW' does not occur in the training data")

@@ -5,6 +5,7 @@ time as it reads the file (:func:`arrow_dataset` writes them to an Arrow file), 
 whose message is ``file:line: what is wrong``, on input they cannot use.
 """
 
+from . import readers
 from .arrow import arrow_dataset, file_signature
 from .demo import (
     DEMO_PACKAGES,
@@ -23,58 +24,16 @@ from .pretraining import (
     pack_words,
     read_text_file,
 )
-from .readers import (
-    DataError,
-    canonical_label,
-    check_labels,
-    check_tag_columns,
-    iter_conll,
-    iter_csv,
-    iter_jsonl,
-    iter_ner_file,
-    iter_table_file,
-    iter_text_sentences,
-    kfold_assignment,
-    kfold_examples,
-    label_list,
-    looks_like_tag,
-    read_conll,
-    read_conll_tokens,
-    read_csv,
-    read_jsonl,
-    read_ner_file,
-    read_table_file,
-    read_text_sentences,
-    split_examples,
-    subtoken_tags,
-)
+from .readers import *  # noqa: F403 (the readers' public names: readers.__all__)
+from .readers import kfold_assignment, kfold_examples
 
+# The readers' names, then the rest of the package's.
 __all__ = [
-    "DataError",
-    "read_conll",
-    "read_jsonl",
-    "read_csv",
-    "read_ner_file",
-    "read_table_file",
-    "read_text_sentences",
-    "read_conll_tokens",
-    "iter_conll",
-    "iter_jsonl",
-    "iter_csv",
-    "iter_ner_file",
-    "iter_table_file",
-    "iter_text_sentences",
-    "arrow_dataset",
-    "file_signature",
-    "canonical_label",
-    "check_labels",
-    "check_tag_columns",
-    "label_list",
-    "looks_like_tag",
-    "subtoken_tags",
-    "split_examples",
+    *readers.__all__,
     "kfold_examples",
     "kfold_assignment",
+    "arrow_dataset",
+    "file_signature",
     "DEMO_PACKAGES",
     "demo_ner",
     "demo_classification",

@@ -630,6 +630,27 @@ def iter_csv(
             yield line
 
     reader = csv.reader(lines(), delimiter=delimiter, strict=True)
+    header, columns = _csv_header(path, reader, kind, delimiter, fields, first_line)
+    picks = [(name, columns[name]) for name in fields]
+    checks = [columns[name] for name in nonempty]
+    found = False
+    try:
+        for row in reader:
+            if not _csv_row_fits(path, reader.line_num, row, header, kind, delimiter, checks):
+                continue
+            found = True
+            example = {name: row[k] for name, k in picks}
+            example["line"] = reader.line_num
+            yield example
+    except csv.Error as err:
+        raise DataError(path, reader.line_num, f"not valid {kind} ({err})") from None
+    if not found:
+        raise DataError(path, None, "empty file: a header row but no records")
+
+
+def _csv_header(path, reader, kind: str, delimiter: str, fields: Sequence[str], first_line: list[str]):
+    """The header row and each column's index, refusing an empty or blank header, a column named twice and a missing
+    column (``first_line`` holds the file's first line once read, to hint at a TSV file named ``.csv``)."""
     try:
         header = next(reader, None)
     except csv.Error as err:
@@ -658,35 +679,29 @@ def iter_csv(
     if missing:
         hint = "; is it tab-separated? name it .tsv" if kind == "CSV" and "\t" in first_line[0] else ""
         raise DataError(path, header_line, f"no column {missing[0]!r}; the header has {header}{hint}")
-    width, picks = len(header), [(name, columns[name]) for name in fields]
-    checks = [columns[name] for name in nonempty]
-    found = False
-    try:
-        for row in reader:
-            if len(row) != width:
-                if not row:
-                    continue  # a blank line
-                number = reader.line_num
-                if len(row) < width:
-                    raise DataError(path, number, f"row has no value for column {header[len(row)]!r}")
-                what = "a comma" if kind == "CSV" else "a tab"
-                raise DataError(
-                    path,
-                    number,
-                    f"row has {len(row)} fields where the header has {width} ({delimiter.join(header)}); quote a "
-                    f'value that holds {what} ("hello{delimiter} world")',
-                )
-            for k in checks:
-                if not row[k].strip():
-                    raise DataError(path, reader.line_num, f"empty value in column {header[k]!r}")
-            found = True
-            example = {name: row[k] for name, k in picks}
-            example["line"] = reader.line_num
-            yield example
-    except csv.Error as err:
-        raise DataError(path, reader.line_num, f"not valid {kind} ({err})") from None
-    if not found:
-        raise DataError(path, None, "empty file: a header row but no records")
+    return header, columns
+
+
+def _csv_row_fits(path, number: int, row: list[str], header: list[str], kind: str, delimiter: str, checks) -> bool:
+    """Whether ``row`` is a record (False for a blank line); a row of the wrong width or with an empty value in a
+    column of ``checks`` is an error on its line."""
+    width = len(header)
+    if len(row) != width:
+        if not row:
+            return False
+        if len(row) < width:
+            raise DataError(path, number, f"row has no value for column {header[len(row)]!r}")
+        what = "a comma" if kind == "CSV" else "a tab"
+        raise DataError(
+            path,
+            number,
+            f"row has {len(row)} fields where the header has {width} ({delimiter.join(header)}); quote a "
+            f'value that holds {what} ("hello{delimiter} world")',
+        )
+    for k in checks:
+        if not row[k].strip():
+            raise DataError(path, number, f"empty value in column {header[k]!r}")
+    return True
 
 
 def read_ner_file(

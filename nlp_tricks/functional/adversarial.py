@@ -30,6 +30,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -269,7 +270,32 @@ class _Space:
         return per_group.sqrt()[self.group], total
 
 
-class PGD:
+def embedding_modules(model: nn.Module, target: str | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """The module an embedding-space method perturbs (:func:`resolve_embedding_module`) and every embedding module
+    that looks up the same weight (itself first)."""
+    module = resolve_embedding_module(model, target)
+    return module, _modules_sharing_weight(model, module)
+
+
+class _EmbeddingAttack:
+    """What the embedding-space attacks (:class:`PGD`, :class:`FGM`, :class:`FreeLB`) share: the modules attacked and
+    the ascent's radius, step size and number of steps."""
+
+    def __init__(self, model: nn.Module, target: str | None, epsilon: float, alpha: float, steps: int):
+        self.model = model
+        self.module, self.modules = embedding_modules(model, target)
+        self.epsilon = float(epsilon)
+        self.alpha = float(alpha)
+        self.steps = int(steps)
+
+    def _not_called(self) -> NoReturn:
+        raise RuntimeError(
+            f"loss_fn did not call the attacked module ({type(self.module).__name__}); name the embedding module "
+            "the forward uses with target= (adv_target)"
+        )
+
+
+class PGD(_EmbeddingAttack):
     """Projected gradient descent in embedding space: K ascent steps of size ``alpha`` inside an ``epsilon`` ball.
 
     Madry et al. 2018, https://arxiv.org/abs/1706.06083 (for BERT fine-tuning, Zhu et al. 2020,
@@ -315,12 +341,7 @@ class PGD:
         target: str | None = None,
     ):
         validate_attack(epsilon, alpha, steps, norm)
-        self.model = model
-        self.module = resolve_embedding_module(model, target)
-        self.modules = _modules_sharing_weight(model, self.module)
-        self.epsilon = float(epsilon)
-        self.alpha = float(alpha)
-        self.steps = int(steps)
+        _EmbeddingAttack.__init__(self, model, target, epsilon, alpha, steps)
         self.norm = norm
         self._mode: str | None = None
         # Set for the last adversarial pass: the modules whose weight gradient goes through _SparseWeightGrad.
@@ -388,10 +409,8 @@ class PGD:
             clean gradient of the embedding output was 0, inf or NaN (e.g. an fp16 overflow step, which the scaler
             skips anyway); then only the clean gradient was accumulated.
         """
-        backward = _backward_fn(backward, grad_scaler)
+        backward, no_sync, skipped = _step_passes(backward, grad_scaler, no_sync)
         scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
-        synced = no_sync is not None
-        no_sync = no_sync or contextlib.nullcontext
         # First among the module's hooks: the others (NEFTune noise) apply on top of the lookup that the attack's last
         # pass replaces by its sparse-gradient one, instead of being dropped with it.
         handles = [module.register_forward_hook(self._hook, prepend=True) for module in self.modules]
@@ -404,8 +423,7 @@ class PGD:
             self._mode = None
             delta = self._attack(space, loss_fn, scale, no_sync)
             if delta is None:
-                if synced:  # the other processes still all-reduce once: so must this one
-                    backward(loss_fn() * 0.0)
+                skipped(loss_fn)
                 return clean.detach(), None
             self._perturb(space, delta)
             if torch.is_grad_enabled():
@@ -439,10 +457,7 @@ class PGD:
     def _collect(self) -> _Space:
         """The clean gradients of the captured embedding outputs, flattened to ``(positions, hidden)`` float32."""
         if not self._captured:
-            raise RuntimeError(
-                f"loss_fn did not call the attacked module ({type(self.module).__name__}); name the embedding module "
-                "the forward uses with target= (adv_target)"
-            )
+            self._not_called()
         weight = getattr(self.module, "weight", None)
         home = weight.device if torch.is_tensor(weight) else next(iter(self._captured))
         calls, ids, grads, start = [], [], [], 0
@@ -507,10 +522,19 @@ class FGM(PGD):
 # --- FreeLB ----------------------------------------------------------------------------------------------------------
 
 
-def _backward_fn(backward, grad_scaler):
-    if backward is not None:
-        return backward
-    return (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
+def _step_passes(backward, grad_scaler, no_sync) -> tuple[Callable, Callable, Callable]:
+    """From the arguments every attack's ``step`` takes (see :meth:`PGD.step`): the backward to run, the context of
+    the passes before the last, and what a skipped attack runs with ``loss_fn`` (with ``no_sync``, one zero-weight pass
+    outside it: the other processes still all-reduce once, so must this one)."""
+    if backward is None:
+        backward = (lambda loss: grad_scaler.scale(loss).backward()) if grad_scaler else torch.Tensor.backward
+    synced = no_sync is not None
+
+    def skipped(loss_fn: Callable[[], torch.Tensor]) -> None:
+        if synced:
+            backward(loss_fn() * 0.0)
+
+    return backward, no_sync or contextlib.nullcontext, skipped
 
 
 def _per_example(t: torch.Tensor) -> torch.Tensor:
@@ -518,7 +542,7 @@ def _per_example(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-class FreeLB:
+class FreeLB(_EmbeddingAttack):
     """FreeLB: K ascent steps in embedding space whose parameter gradients are all kept (averaged over the K passes).
 
     Zhu et al. 2020, "FreeLB: Enhanced Adversarial Training for Natural Language Understanding",
@@ -570,12 +594,7 @@ class FreeLB:
     ):
         validate_attack(epsilon, alpha, steps, "example", epsilon_may_be_zero=True)
         validate_freelb(init_mag)
-        self.model = model
-        self.module = resolve_embedding_module(model, target)
-        self.modules = _modules_sharing_weight(model, self.module)
-        self.epsilon = float(epsilon)
-        self.alpha = float(alpha)
-        self.steps = int(steps)
+        _EmbeddingAttack.__init__(self, model, target, epsilon, alpha, steps)
         self.init_mag = float(init_mag)
         self.clean_pass = bool(clean_pass)
         self._active = False
@@ -668,9 +687,7 @@ class FreeLB:
             when the attack stopped because a gradient was inf or NaN (an fp16 overflow step, which the scaler
             skips anyway).
         """
-        backward = _backward_fn(backward, grad_scaler)
-        synced = no_sync is not None
-        no_sync = no_sync or contextlib.nullcontext
+        backward, no_sync, skipped = _step_passes(backward, grad_scaler, no_sync)
         merged = self.clean_pass and self.init_mag == 0
         weight = self.module.weight if isinstance(getattr(self.module, "weight", None), torch.Tensor) else None
         self._home = weight.device if weight is not None else torch.device("cpu")
@@ -690,8 +707,7 @@ class FreeLB:
                     self._perturbed_pass(loss_fn, backward, weight, contextlib.nullcontext if last else no_sync)
                 )
                 if not last and not self._ascend():
-                    if synced:  # the other processes still all-reduce once: so must this one
-                        backward(loss_fn() * 0.0)
+                    skipped(loss_fn)
                     return (clean if clean is not None else losses[0]).detach(), None
             clean = clean if clean is not None else losses[0]
             return clean.detach(), torch.stack(losses).mean()
@@ -723,10 +739,7 @@ class FreeLB:
 
     def _check_calls(self) -> None:
         if not self._deltas:
-            raise RuntimeError(
-                f"loss_fn did not call the attacked module ({type(self.module).__name__}); name the embedding module "
-                "the forward uses with target= (adv_target)"
-            )
+            self._not_called()
         if any(self._cursor.get(device, 0) != len(deltas) for device, deltas in self._deltas.items()):
             raise RuntimeError(
                 "the embedding module was called differently in this FreeLB pass than in the first; "
@@ -843,9 +856,7 @@ class AWP:
         when no weight was perturbed because the targeted gradients were all 0, or one was inf or NaN (an fp16
         overflow step, which the scaler skips anyway).
         """
-        backward = _backward_fn(backward, grad_scaler)
-        synced = no_sync is not None
-        no_sync = no_sync or contextlib.nullcontext
+        backward, no_sync, skipped = _step_passes(backward, grad_scaler, no_sync)
         params = [p for _, p in self.targets]
         # `.grad` may hold earlier micro-batches' gradients: catch this micro-batch's on its way in. Only for those
         # (holding the incoming gradient of a parameter with no `.grad` yet would make autograd copy it).
@@ -863,8 +874,7 @@ class AWP:
         perturbed, backups = self._perturb(params, grads)
         del incoming, grads
         if not perturbed:
-            if synced:  # the other processes still all-reduce once: so must this one
-                backward(loss_fn() * 0.0)
+            skipped(loss_fn)
             return clean.detach(), None
         # Inside an enclosing autocast region the low-precision copies of the weights are cached: drop them, or the
         # adversarial forward would multiply by the unperturbed copies (and a later forward by the perturbed ones).

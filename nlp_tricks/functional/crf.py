@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .models import model_class_with
+
 __all__ = [
     "CRF",
     "FORBIDDEN",
@@ -433,11 +435,13 @@ def add_crf(model: nn.Module, *, bio_constraints: bool = False) -> CRF:
             f"crf needs a token classification model with config.num_labels; {type(model).__name__} has none"
         )
     crf = getattr(model, "crf", None)
+    # A CRF that trains beside a PEFT adapter sits in PEFT's modules_to_save wrapper, which forwards to its copy.
+    found = getattr(crf, "original_module", crf)
     if crf is None:
         param = next(model.parameters(), None)
         crf = CRF(num_labels).to(param.device if param is not None else "cpu")
         model.add_module("crf", crf)
-    elif not isinstance(crf, CRF) or crf.num_tags != num_labels:
+    elif not isinstance(found, CRF) or found.num_tags != num_labels:
         raise ValueError(
             f"{type(model).__name__}.crf is {crf!r}, not a CRF over config.num_labels={num_labels} tags; remove it or "
             "rename the attribute"
@@ -470,24 +474,11 @@ _CRF_CLASSES: dict[type, type] = {}
 def crf_model_class(model_class: type) -> type:
     """A subclass of ``model_class`` (a ``PreTrainedModel``) whose models carry a CRF (``.crf``) from construction, so
     its ``from_pretrained`` loads the ``crf.*`` weights with the rest. Built once per class."""
-    if model_class not in _CRF_CLASSES:
 
-        def __init__(self, config, *args, **kwargs):
-            model_class.__init__(self, config, *args, **kwargs)
-            self.add_module("crf", CRF(config.num_labels))
+    def attach(model, config):
+        model.add_module("crf", CRF(config.num_labels))
 
-        def _init_weights(self, module):
-            if isinstance(module, CRF):
-                module.reset_parameters()
-            else:
-                model_class._init_weights(self, module)
-
-        _CRF_CLASSES[model_class] = type(
-            f"{model_class.__name__}WithCRF",
-            (model_class,),
-            {"__init__": __init__, "_init_weights": _init_weights, "__module__": __name__},
-        )
-    return _CRF_CLASSES[model_class]
+    return model_class_with(model_class, "CRF", attach, _CRF_CLASSES, __name__, resets=CRF)
 
 
 def load_crf_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:

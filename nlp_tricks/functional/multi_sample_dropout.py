@@ -31,7 +31,11 @@ def validate_multi_sample_dropout(samples, p, names: tuple[str, str] = ("samples
 
 def find_classifier(model: nn.Module) -> tuple[str, nn.Linear]:
     """The classification head's output layer: the last ``nn.Linear`` with ``config.num_labels`` outputs outside
-    ``model.base_model`` (``classifier`` for BERT, ``classifier.out_proj`` for RoBERTa, ...). Returns its name too."""
+    ``model.base_model`` (``classifier`` for BERT, ``classifier.out_proj`` for RoBERTa, ...; of a PEFT model, the
+    trained copy in ``modules_to_save``). Returns its name too."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        # A PEFT model: its transformers model, where the head (PEFT's modules_to_save copy of it last) is found.
+        model = model.get_base_model()
     num_labels = getattr(getattr(model, "config", None), "num_labels", None)
     base = getattr(model, "base_model", model)
     body = {id(m) for m in base.modules()} if base is not model else set()

@@ -31,6 +31,8 @@ import inspect
 import torch
 from torch import nn
 
+from .models import model_class_with
+
 __all__ = [
     "POOLING_MODES",
     "Pooling",
@@ -338,29 +340,16 @@ def pooled_model_class(model_class: type) -> type:
     """A subclass of ``model_class`` (a ``*ForSequenceClassification`` ``PreTrainedModel``) whose models pool with
     ``config.pooling`` from construction, so its ``from_pretrained`` loads the ``pooling.*`` weights (and the wider
     head of ``mean_max``) with the rest. Built once per class."""
-    if model_class not in _POOLED_CLASSES:
 
-        def __init__(self, config, *args, **kwargs):
-            model_class.__init__(self, config, *args, **kwargs)
-            mode = getattr(config, "pooling", None)
-            if mode not in POOLING_MODES:
-                raise ValueError(
-                    f"config.pooling={mode!r}: a pooled model needs one of {', '.join(POOLING_MODES)} in its config"
-                )
-            _attach(self, mode, init=False)
+    def attach(model, config):
+        mode = getattr(config, "pooling", None)
+        if mode not in POOLING_MODES:
+            raise ValueError(
+                f"config.pooling={mode!r}: a pooled model needs one of {', '.join(POOLING_MODES)} in its config"
+            )
+        _attach(model, mode, init=False)
 
-        def _init_weights(self, module):
-            if isinstance(module, Pooling):
-                module.reset_parameters()
-            else:
-                model_class._init_weights(self, module)
-
-        _POOLED_CLASSES[model_class] = type(
-            f"{model_class.__name__}WithPooling",
-            (model_class,),
-            {"__init__": __init__, "_init_weights": _init_weights, "__module__": __name__},
-        )
-    return _POOLED_CLASSES[model_class]
+    return model_class_with(model_class, "Pooling", attach, _POOLED_CLASSES, __name__, resets=Pooling)
 
 
 def load_pooled_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:

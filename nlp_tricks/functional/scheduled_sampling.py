@@ -289,65 +289,55 @@ def causal_replacement_mask(
     return draw_replacements(allowed, ratio, generator)
 
 
-def causal_scheduled_sampling_forward(
-    model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    labels: torch.Tensor,
-    ratio: float,
-    mode: str = "argmax",
-    temperature: float = 1.0,
-    forward: Callable | None = None,
-    generator: torch.Generator | None = None,
-    draw: ScheduledSamplingDraw | None = None,
-    return_draw: bool = False,
-):
-    """One scheduled-sampling forward of a decoder-only LM: pass 1 teacher-forced under ``no_grad``, mix, pass 2.
+@dataclass(frozen=True)
+class TwoPassModel:
+    """How one kind of model runs scheduled sampling's two passes (a part of :func:`two_pass_forward`)."""
 
-    Mihaylova & Martins 2019, https://arxiv.org/abs/1906.07651, on a causal LM: each completion token (label not
-    -100) of ``input_ids`` is replaced, with probability ``1 - ratio``, by the model's pass-1 prediction for it (made
-    one position earlier); prompt tokens stay gold. The loss on the pass-2 logits is the usual causal-LM loss
-    (``logits[:, :-1]`` against ``labels[:, 1:]``). With ``ratio=1`` pass 1 is skipped and the outputs are those of a
-    plain forward on ``inputs``.
+    ids: str  # the key of the input ids pass 2 mixes ("input_ids", "decoder_input_ids")
+    why_same_shape: str  # why those ids and the labels have one shape (said when they do not)
+    pass2_inputs: Callable  # (model, inputs) -> the keyword arguments of pass 2, the gold ids included
+    draw: Callable  # (model, pass-1 kwargs, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw
+    mixed: Callable  # (model, gold ids, draw or None) -> pass 2's ids (or embeddings) as keyword arguments
 
-    Args:
-        model (`PreTrainedModel`): a causal LM (PEFT-wrapped or not), unwrapped from DDP; runs pass 1.
-        inputs (`dict`): the batch without ``labels``; must hold ``input_ids`` unless it holds ``inputs_embeds``,
-            which are passed through unmixed. ``shift_labels``, if present, decides the completion tokens.
-        labels (`torch.LongTensor` of shape `(B, L)`): aligned with ``input_ids``; -100 marks prompt and padding.
-        ratio (`float`): the teacher-forcing probability, e.g. ``ScheduledSampler.ratio(step)``.
-        mode, temperature: see :func:`draw_predictions`.
-        forward (`Callable`, *optional*): what runs pass 2 (default ``model``); a DDP / accelerate wrapper of
-            ``model`` goes here so that gradient synchronisation sees the forward.
-        generator (`torch.Generator`, *optional*): random source of the replacement draws and of ``"sample"``.
-        draw (`ScheduledSamplingDraw`, *optional*): reuse this draw (from an earlier call on the same batch with
-            ``return_draw=True``) instead of running pass 1 and drawing again.
-        return_draw (`bool`, defaults to False): also return the draw used (``None`` when nothing was mixed).
 
-    Returns:
-        The pass-2 model outputs, or ``(outputs, draw)`` with ``return_draw``.
-    """
-    forward = model if forward is None else forward
-    if "input_ids" not in inputs:
-        if "inputs_embeds" in inputs:
-            outputs = forward(**inputs)
-            return (outputs, None) if return_draw else outputs
-        raise ValueError("scheduled sampling needs input_ids (or inputs_embeds) in the inputs")
-    input_ids = inputs["input_ids"]
-    if input_ids.shape != labels.shape:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have the same shape (a causal "
-            "LM's labels line up with its inputs; the loss shifts them)"
-        )
-    if draw is None and ratio < 1.0:
-        draw = _causal_draw(model, inputs, labels, ratio, mode, temperature, generator)
-    if draw is None:
-        outputs = forward(**inputs)
-    else:
-        embedding = model.get_input_embeddings() if draw.mode == "soft" else None
-        mixed = apply_draw(input_ids, draw, embedding=embedding)
-        rest = {key: value for key, value in inputs.items() if key != "input_ids"}
-        outputs = forward(**rest, **mixed)
-    return (outputs, draw) if return_draw else outputs
+def two_pass_forward(kind: TwoPassModel, module: str, name: str, doc: str) -> Callable:
+    """The public two-pass forward of one kind of model, named ``module.name``: the decoder-only and the
+    encoder-decoder forwards are this one function (the same arguments, the same reuse of a draw, pass 1 skipped at
+    ratio 1) around the passes of their kind."""
+    embeds = kind.ids.replace("input_ids", "inputs_embeds")
+
+    def two_pass(
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        ratio: float,
+        mode: str = "argmax",
+        temperature: float = 1.0,
+        forward: Callable | None = None,
+        generator: torch.Generator | None = None,
+        draw: ScheduledSamplingDraw | None = None,
+        return_draw: bool = False,
+    ):
+        forward = model if forward is None else forward
+        pass2 = kind.pass2_inputs(model, inputs)
+        if kind.ids not in pass2:
+            if embeds in pass2:
+                outputs = forward(**pass2)
+                return (outputs, None) if return_draw else outputs
+            raise ValueError(f"scheduled sampling needs {kind.ids} (or {embeds}) in the inputs")
+        ids = pass2.pop(kind.ids)
+        if ids.shape != labels.shape:
+            raise ValueError(
+                f"{kind.ids} {tuple(ids.shape)} and labels {tuple(labels.shape)} must have the same shape "
+                f"({kind.why_same_shape})"
+            )
+        if draw is None and ratio < 1.0:
+            draw = kind.draw(model, {**pass2, kind.ids: ids}, labels, ratio, mode, temperature, generator)
+        outputs = forward(**pass2, **kind.mixed(model, ids, draw))
+        return (outputs, draw) if return_draw else outputs
+
+    two_pass.__module__, two_pass.__name__, two_pass.__qualname__, two_pass.__doc__ = module, name, name, doc
+    return two_pass
 
 
 def _causal_draw(model, inputs, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw:
@@ -393,3 +383,53 @@ def _takes_boolean_logits_to_keep(model: nn.Module) -> bool:
     if "logits_to_keep" not in inspect.signature(forward).parameters:
         return False
     return getattr(sys.modules.get(forward.__module__), "slice_logits_to_keep", None) is helper
+
+
+def _causal_mixed(model: nn.Module, input_ids: torch.Tensor, draw: ScheduledSamplingDraw | None) -> dict:
+    """Pass 2's input: the gold ids when nothing is replaced, else the draw applied (ids, or embeddings for
+    ``"soft"``)."""
+    if draw is None:
+        return {"input_ids": input_ids}
+    embedding = model.get_input_embeddings() if draw.mode == "soft" else None
+    return apply_draw(input_ids, draw, embedding=embedding)
+
+
+_CAUSAL_DOC = """\
+One scheduled-sampling forward of a decoder-only LM: pass 1 teacher-forced under ``no_grad``, mix, pass 2.
+
+Mihaylova & Martins 2019, https://arxiv.org/abs/1906.07651, on a causal LM: each completion token (label not
+-100) of ``input_ids`` is replaced, with probability ``1 - ratio``, by the model's pass-1 prediction for it (made
+one position earlier); prompt tokens stay gold. The loss on the pass-2 logits is the usual causal-LM loss
+(``logits[:, :-1]`` against ``labels[:, 1:]``). With ``ratio=1`` pass 1 is skipped and the outputs are those of a
+plain forward on ``inputs``.
+
+Args:
+    model (`PreTrainedModel`): a causal LM (PEFT-wrapped or not), unwrapped from DDP; runs pass 1.
+    inputs (`dict`): the batch without ``labels``; must hold ``input_ids`` unless it holds ``inputs_embeds``,
+        which are passed through unmixed. ``shift_labels``, if present, decides the completion tokens.
+    labels (`torch.LongTensor` of shape `(B, L)`): aligned with ``input_ids``; -100 marks prompt and padding.
+    ratio (`float`): the teacher-forcing probability, e.g. ``ScheduledSampler.ratio(step)``.
+    mode, temperature: see :func:`draw_predictions`.
+    forward (`Callable`, *optional*): what runs pass 2 (default ``model``); a DDP / accelerate wrapper of
+        ``model`` goes here so that gradient synchronisation sees the forward.
+    generator (`torch.Generator`, *optional*): random source of the replacement draws and of ``"sample"``.
+    draw (`ScheduledSamplingDraw`, *optional*): reuse this draw (from an earlier call on the same batch with
+        ``return_draw=True``) instead of running pass 1 and drawing again.
+    return_draw (`bool`, defaults to False): also return the draw used (``None`` when nothing was mixed).
+
+Returns:
+    The pass-2 model outputs, or ``(outputs, draw)`` with ``return_draw``.
+"""
+
+causal_scheduled_sampling_forward = two_pass_forward(
+    TwoPassModel(
+        ids="input_ids",
+        why_same_shape="a causal LM's labels line up with its inputs; the loss shifts them",
+        pass2_inputs=lambda model, inputs: dict(inputs),
+        draw=_causal_draw,
+        mixed=_causal_mixed,
+    ),
+    __name__,
+    "causal_scheduled_sampling_forward",
+    _CAUSAL_DOC,
+)

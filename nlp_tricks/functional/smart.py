@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .adversarial import _modules_sharing_weight, resolve_embedding_module
+from .adversarial import embedding_modules
 from .losses import rdrop_kl
 
 __all__ = ["SMART", "symmetric_kl", "validate_smart"]
@@ -124,8 +124,7 @@ class SMART:
     ):
         validate_smart(1.0, epsilon, step_size, steps, noise_std)
         self.model = model
-        self.module = resolve_embedding_module(model, target)
-        self.modules = _modules_sharing_weight(model, self.module)
+        self.module, self.modules = embedding_modules(model, target)
         self.epsilon = float(epsilon)
         self.step_size = float(step_size)
         self.steps = int(steps)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .losses import multilabel_categorical_crossentropy
-from .models import unwrap_model
+from .models import model_class_with, unwrap_model
 
 __all__ = [
     "SPAN_HEADS",
@@ -391,19 +391,14 @@ _SPAN_CLASSES: dict[type, type] = {}
 def span_model_class(model_class: type) -> type:
     """A subclass of ``model_class`` (a ``*ForTokenClassification`` ``PreTrainedModel``) built with the span head its
     config records, so its ``from_pretrained`` loads the head's weights with the rest. Built once per class."""
-    if model_class not in _SPAN_CLASSES:
 
-        def __init__(self, config, *args, **kwargs):
-            model_class.__init__(self, config, *args, **kwargs)
-            attribute, layer = _output_layer(self)
-            head_class = SPAN_HEAD_CLASSES[config.span_head]
-            head = head_class(layer.in_features, config.num_labels, config.span_head_size, config.span_head_rope)
-            setattr(self, attribute, head)
+    def attach(model, config):
+        attribute, layer = _output_layer(model)
+        head_class = SPAN_HEAD_CLASSES[config.span_head]
+        head = head_class(layer.in_features, config.num_labels, config.span_head_size, config.span_head_rope)
+        setattr(model, attribute, head)
 
-        _SPAN_CLASSES[model_class] = type(
-            f"{model_class.__name__}WithSpanHead", (model_class,), {"__init__": __init__, "__module__": __name__}
-        )
-    return _SPAN_CLASSES[model_class]
+    return model_class_with(model_class, "SpanHead", attach, _SPAN_CLASSES, __name__)
 
 
 def load_span_model(pretrained_model_name_or_path, **kwargs) -> nn.Module:

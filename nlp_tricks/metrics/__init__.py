@@ -1,11 +1,11 @@
 """``evaluate`` metric modules shipped inside the package, loaded by local path (no network needed).
 
-``evaluate.load("seqeval")`` fetches its script from the Hub; a local module path loads offline::
+``evaluate.load("rouge")`` fetches its script from the Hub; a local module path loads offline::
 
     import evaluate
     from nlp_tricks.metrics import metric_path
 
-    seqeval = evaluate.load(metric_path("seqeval_f1"))
+    rouge = evaluate.load(metric_path("rouge"))
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 __all__ = ["METRICS", "metric_path", "load_metric"]
 
-METRICS = ("seqeval_f1", "rouge", "accuracy_f1", "multi_label_f1")
+METRICS = ("rouge", "accuracy_f1", "multi_label_f1")
 
 
 def metric_path(name: str) -> str:

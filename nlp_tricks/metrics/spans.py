@@ -1,8 +1,8 @@
 """Entity precision / recall / F1 over exact spans ``(type, start, end)``, nested entities allowed; of tag sequences
 in any scheme (:func:`tag_f1`).
 
-On flat entities it is seqeval's entity score (the ``seqeval_f1`` metric) computed on the spans instead of the tags:
-the same numbers, to the last bit.
+On flat entities it is seqeval's entity score (``classification_report``'s micro average) computed on the spans
+instead of the tags: the same numbers, to the last bit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def span_f1(
     A predicted span counts when the same ``(type, start, end)`` is gold in the same sentence (each sentence's spans
     are a set, so nested spans and one span with two types count separately). Returns ``{"precision", "recall",
     "f1", "number"}`` (``number``: gold spans) and, per type found in either, ``{type: {"precision", "recall", "f1",
-    "number"}}`` (the ``seqeval_f1`` metric's layout); a ratio with nothing to count is 0.
+    "number"}}`` (seqeval's ``classification_report`` layout); a ratio with nothing to count is 0.
     """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predicted sentences for {len(references)} gold ones")
@@ -49,7 +49,7 @@ def _scores(hits: int, predicted: int, gold: int) -> dict:
 def tag_f1(predictions: Sequence[Sequence[str]], references: Sequence[Sequence[str]]) -> dict:
     """:func:`span_f1` of tag sequences in any scheme (IOB1, IOB2, BIOES, BMES, BILOU), their entities read by the one
     rule of :mod:`nlp_tricks.data.schemes` (conlleval's lenient reading), and ``accuracy``: the share of words whose
-    predicted tag is the gold one, as written. The ``seqeval_f1`` metric's numbers on the schemes seqeval reads."""
+    predicted tag is the gold one, as written. seqeval's numbers on the schemes seqeval reads."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predicted sentences for {len(references)} gold ones")
     right = words = 0

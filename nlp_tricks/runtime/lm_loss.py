@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.trainer_utils import unwrap_peft_model
 
 from ..functional.chunked_loss import HeadInputCapture, is_plain_linear
+from ..functional.models import unwrap_model
 
 __all__ = ["CausalLMLossPath"]
 
@@ -79,7 +79,7 @@ class CausalLMLossPath:
 
     def _lm_head(self, model: nn.Module) -> nn.Linear | None:
         """The causal LM's output projection when it is a plain ``nn.Linear`` (what the chunked loss reproduces)."""
-        unwrapped = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        unwrapped = unwrap_model(model, peft=True)
         get_head = getattr(unwrapped, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         return head if is_plain_linear(head) else None
@@ -89,7 +89,7 @@ class CausalLMLossPath:
         this batch again, and the run from now on, on the full logits."""
         self._lm_loss_path = "logits"
         self._warn_once(
-            f"{type(unwrap_peft_model(self.accelerator.unwrap_model(model))).__name__}'s logits are not its LM head's "
+            f"{type(unwrap_model(model, peft=True)).__name__}'s logits are not its LM head's "
             f"output as it is (soft-capping or scaling after the head, or {capture.calls} head calls in a forward): "
             "the loss is taken on the full logits"
         )
@@ -98,7 +98,7 @@ class CausalLMLossPath:
 
     def _decide_loss_shifts_labels(self, by_loss_type: bool) -> bool:
         """Upstream's rule from the loss type, or the (PEFT-unwrapped) class is a causal LM; never encoder-decoder."""
-        model = unwrap_peft_model(self.model)
+        model = unwrap_model(self.model, peft=True)
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             return False
         return bool(by_loss_type) or type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()

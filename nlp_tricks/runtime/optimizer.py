@@ -47,6 +47,7 @@ class OptimizerGroups:
             no_decay=NO_DECAY_PATTERNS + tuple(options.get("no_decay", ())),
             module_lr_scales=options.get("module_lr_scales") or None,
             lr_scales=options.get("lr_scales") or None,
+            param_optimizers=options.get("param_optimizers") or None,
         )
         for group in groups:
             group.pop("names")

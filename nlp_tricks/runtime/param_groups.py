@@ -82,6 +82,7 @@ def build_param_groups(
     no_decay: Iterable[str] = NO_DECAY_PATTERNS,
     module_lr_scales: Mapping[str, float] | None = None,
     lr_scales: Mapping[str, float] | None = None,
+    param_optimizers: Mapping[str, str] | None = None,
 ) -> list[dict]:
     """Optimizer parameter groups, each with an absolute ``lr`` and ``weight_decay``.
 
@@ -102,6 +103,9 @@ def build_param_groups(
             multiplies with the head scale and layer decay (a parameter matching several patterns gets their
             product); e.g. ``{r"lora_B": 16.0}`` for LoRA+. The groups are split by the resulting rate, labelled
             ``<label>*<pattern>``.
+        param_optimizers (`Mapping[str, str]`, *optional*): parameter name -> the optimizer that updates it (the
+            ``muon`` trick's matrices: ``"muon"``); those parameters form their own groups (the same lr and weight
+            decay), labelled ``<label>:<optimizer>`` and carrying ``"optimizer": <optimizer>``.
 
     Returns:
         `list[dict]`: groups with keys ``params``, ``lr``, ``weight_decay``, ``lr_scale`` (lr / learning_rate),
@@ -116,15 +120,14 @@ def build_param_groups(
     if head_lr_scale <= 0:
         raise ValueError(f"head_lr_scale must be > 0, got {head_lr_scale}")
     decay_names = decay_parameter_names(model, no_decay)
-    rates = _GroupRates(model, head_lr_scale, layer_decay, module_lr_scales, lr_scales)
+    rates = _GroupRates(model, head_lr_scale, layer_decay, module_lr_scales, lr_scales, param_optimizers)
     groups: dict[tuple[str, float], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        label, scale = rates.of(name, param)
         wd = weight_decay if name in decay_names else 0.0
-        settings = {"lr": learning_rate * scale, "weight_decay": wd, "lr_scale": scale, "label": label}
-        group = groups.setdefault((label, wd), {"params": [], "names": [], **settings})
+        settings = rates.settings(name, param, learning_rate, wd)
+        group = groups.setdefault((settings["label"], wd), {"params": [], "names": [], **settings})
         group["params"].append(param)
         group["names"].append(name)
     return list(groups.values())
@@ -134,7 +137,7 @@ class _GroupRates:
     """The group label and learning-rate factor of each parameter of one model under :func:`build_param_groups`'
     rules (its arguments of the same names)."""
 
-    def __init__(self, model: nn.Module, head_lr_scale, layer_decay, module_lr_scales, lr_scales):
+    def __init__(self, model: nn.Module, head_lr_scale, layer_decay, module_lr_scales, lr_scales, param_optimizers):
         # PEFT: the transformers model inside, whose base_model separates the head.
         inner = unwrap_model(model, peft=True)
         self.inner_ids = {id(p) for p in inner.parameters()}
@@ -164,6 +167,18 @@ class _GroupRates:
             if not factor > 0:
                 raise ValueError(f"lr_scales[{pattern!r}] must be > 0, got {factor}")
             self.patterns.append((re.compile(pattern), pattern, float(factor)))
+        self.optimizers = dict(param_optimizers or {})
+
+    def settings(self, name: str, param: nn.Parameter, learning_rate: float, weight_decay: float) -> dict:
+        """The settings of ``param``'s group: ``lr``, ``weight_decay``, ``lr_scale``, ``label`` and, for a parameter
+        another optimizer updates (``param_optimizers``), ``optimizer`` (its own groups, labelled
+        ``<label>:<optimizer>``)."""
+        label, scale = self.of(name, param)
+        settings = {"lr": learning_rate * scale, "weight_decay": weight_decay, "lr_scale": scale, "label": label}
+        optimizer = self.optimizers.get(name)
+        if optimizer:
+            settings.update(label=f"{label}:{optimizer}", optimizer=optimizer)
+        return settings
 
     def of(self, name: str, param: nn.Parameter) -> tuple[str, float]:
         """The label of ``param``'s group and its learning-rate factor."""

@@ -12,8 +12,6 @@ The schedule (:class:`ScheduledSampler`), the draw and the mixing shared with de
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
@@ -24,10 +22,12 @@ from ..functional.scheduled_sampling import (
     SCHEDULES,
     ScheduledSampler,
     ScheduledSamplingDraw,
+    TwoPassModel,
     apply_draw,
     draw_predictions,
     draw_replacements,
     mix_inputs,
+    two_pass_forward,
     validate_mixing,
     validate_schedule,
 )
@@ -127,43 +127,9 @@ def split_encoder_inputs(inputs: dict) -> tuple[dict, dict]:
     return encoder_kwargs, decoder_kwargs
 
 
-def scheduled_sampling_forward(
-    model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    labels: torch.Tensor,
-    ratio: float,
-    mode: str = "argmax",
-    temperature: float = 1.0,
-    forward: Callable | None = None,
-    generator: torch.Generator | None = None,
-    draw: ScheduledSamplingDraw | None = None,
-    return_draw: bool = False,
-):
-    """One scheduled-sampling forward: encoder once, decoder pass 1 teacher-forced under ``no_grad``, mix, pass 2.
-
-    Mihaylova & Martins 2019, https://arxiv.org/abs/1906.07651. Pass 2 reuses the encoder outputs with their graph, so
-    a backward on its logits trains the encoder as in plain training. With ``ratio=1`` the pass-2 input is the gold
-    input and the outputs equal a plain teacher-forced forward.
-
-    Args:
-        model (`PreTrainedModel`): an encoder-decoder model (``get_encoder()``, ``encoder_outputs=``), unwrapped.
-        inputs (`dict`): the batch without ``labels``; must hold ``decoder_input_ids`` (build them with
-            ``model.prepare_decoder_input_ids_from_labels``) unless it holds ``decoder_inputs_embeds``, which are
-            passed through unmixed.
-        labels (`torch.LongTensor` of shape `(B, L)`): positions labelled -100 are never replaced.
-        ratio (`float`): the teacher-forcing probability, e.g. ``ScheduledSampler.ratio(step)``.
-        mode, temperature: see :func:`mix_decoder_inputs`.
-        forward (`Callable`, *optional*): what runs pass 2 (default ``model``); a DDP / accelerate wrapper of
-            ``model`` goes here so that gradient synchronisation sees the forward.
-        generator (`torch.Generator`, *optional*): random source of the replacement draws and of ``"sample"``.
-        draw (`ScheduledSamplingDraw`, *optional*): reuse this draw (from an earlier call on the same batch with
-            ``return_draw=True``) instead of running decoder pass 1 and drawing again; the encoder still runs.
-        return_draw (`bool`, defaults to False): also return the draw used (``None`` when nothing was mixed).
-
-    Returns:
-        The pass-2 model outputs (``logits`` for the loss on ``labels``), or ``(outputs, draw)`` with ``return_draw``.
-    """
-    forward = model if forward is None else forward
+def _pass2_inputs(model: nn.Module, inputs: dict) -> dict:
+    """Pass 2's keyword arguments: the encoder's outputs (run here once, unless the batch brings them) and the
+    decoder's inputs."""
     encoder_kwargs, decoder_kwargs = split_encoder_inputs(inputs)
     if "encoder_outputs" in inputs:
         encoder_outputs = inputs["encoder_outputs"]
@@ -171,22 +137,7 @@ def scheduled_sampling_forward(
         encoder_outputs = model.get_encoder()(**encoder_kwargs, return_dict=True)
     if isinstance(encoder_outputs, tuple):
         encoder_outputs = BaseModelOutput(*encoder_outputs)
-    if "decoder_input_ids" not in decoder_kwargs:
-        if "decoder_inputs_embeds" in decoder_kwargs:
-            outputs = forward(encoder_outputs=encoder_outputs, **decoder_kwargs)
-            return (outputs, None) if return_draw else outputs
-        raise ValueError("scheduled sampling needs decoder_input_ids (or decoder_inputs_embeds) in the inputs")
-    decoder_input_ids = decoder_kwargs.pop("decoder_input_ids")
-    if decoder_input_ids.shape != labels.shape:
-        raise ValueError(
-            f"decoder_input_ids {tuple(decoder_input_ids.shape)} and labels {tuple(labels.shape)} must have the "
-            "same shape (position t's input is the token before label t)"
-        )
-    if draw is None and ratio < 1.0:
-        pass1 = {"encoder_outputs": encoder_outputs, "decoder_input_ids": decoder_input_ids, **decoder_kwargs}
-        draw = _decoder_draw(model, pass1, labels, ratio, mode, temperature, generator)
-    outputs = forward(encoder_outputs=encoder_outputs, **_mixed(model, decoder_input_ids, draw), **decoder_kwargs)
-    return (outputs, draw) if return_draw else outputs
+    return {"encoder_outputs": encoder_outputs, **decoder_kwargs}
 
 
 def _decoder_draw(model, pass1: dict, labels, ratio, mode, temperature, generator) -> ScheduledSamplingDraw:
@@ -217,3 +168,43 @@ def _decoder_input_embeddings(model: nn.Module) -> nn.Module:
         decoder = None
     embedding = decoder.get_input_embeddings() if decoder is not None else None
     return embedding if embedding is not None else model.get_input_embeddings()
+
+
+_DOC = """\
+One scheduled-sampling forward: encoder once, decoder pass 1 teacher-forced under ``no_grad``, mix, pass 2.
+
+Mihaylova & Martins 2019, https://arxiv.org/abs/1906.07651. Pass 2 reuses the encoder outputs with their graph, so
+a backward on its logits trains the encoder as in plain training. With ``ratio=1`` the pass-2 input is the gold
+input and the outputs equal a plain teacher-forced forward.
+
+Args:
+    model (`PreTrainedModel`): an encoder-decoder model (``get_encoder()``, ``encoder_outputs=``), unwrapped.
+    inputs (`dict`): the batch without ``labels``; must hold ``decoder_input_ids`` (build them with
+        ``model.prepare_decoder_input_ids_from_labels``) unless it holds ``decoder_inputs_embeds``, which are
+        passed through unmixed.
+    labels (`torch.LongTensor` of shape `(B, L)`): positions labelled -100 are never replaced.
+    ratio (`float`): the teacher-forcing probability, e.g. ``ScheduledSampler.ratio(step)``.
+    mode, temperature: see :func:`mix_decoder_inputs`.
+    forward (`Callable`, *optional*): what runs pass 2 (default ``model``); a DDP / accelerate wrapper of
+        ``model`` goes here so that gradient synchronisation sees the forward.
+    generator (`torch.Generator`, *optional*): random source of the replacement draws and of ``"sample"``.
+    draw (`ScheduledSamplingDraw`, *optional*): reuse this draw (from an earlier call on the same batch with
+        ``return_draw=True``) instead of running decoder pass 1 and drawing again; the encoder still runs.
+    return_draw (`bool`, defaults to False): also return the draw used (``None`` when nothing was mixed).
+
+Returns:
+    The pass-2 model outputs (``logits`` for the loss on ``labels``), or ``(outputs, draw)`` with ``return_draw``.
+"""
+
+scheduled_sampling_forward = two_pass_forward(
+    TwoPassModel(
+        ids="decoder_input_ids",
+        why_same_shape="position t's input is the token before label t",
+        pass2_inputs=_pass2_inputs,
+        draw=_decoder_draw,
+        mixed=_mixed,
+    ),
+    __name__,
+    "scheduled_sampling_forward",
+    _DOC,
+)

@@ -21,8 +21,10 @@ from .ema import EMATrick
 from .freeze_layers import FreezeLayersTrick
 from .head_dropout import HeadDropoutTrick
 from .layer_decay import LayerDecayTrick
+from .lookahead import LookaheadTrick
 from .loraplus import LoraPlusTrick
 from .loss_type import LossFunction, LossTypeTrick
+from .muon import MuonTrick
 from .pooling import PoolingTrick
 from .rdrop import RDropTrick
 from .reinit_layers import ReinitLayersTrick
@@ -62,11 +64,13 @@ BUILT_IN_TRICKS: tuple[type[BuiltInTrick], ...] = (
     LossTypeTrick,
     AdversarialTrick,
     SAMTrick,
+    LookaheadTrick,
     EMATrick,
     SWATrick,
     FreezeLayersTrick,
     LayerDecayTrick,
     LoraPlusTrick,
+    MuonTrick,
 )
 
 

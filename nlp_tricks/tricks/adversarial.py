@@ -231,6 +231,8 @@ class AdversarialTrick(BuiltInTrick):
                 # and never call it. Compiled graphs are rebuilt on their next call.
                 torch.compiler.reset()
             args = self.args
+            # What PGD and FreeLB both take (FGM is PGD's one step of size epsilon).
+            ascent = {"epsilon": args.adv_epsilon, "alpha": args.adv_alpha, "steps": args.adv_steps}
             if args.adversarial == "fgm":
                 self.attacker = FGM(unwrapped, epsilon=args.adv_epsilon, norm=args.adv_norm, target=args.adv_target)
             elif args.adversarial == "awp":
@@ -238,22 +240,13 @@ class AdversarialTrick(BuiltInTrick):
             elif args.adversarial == "freelb":
                 self.attacker = FreeLB(
                     unwrapped,
-                    epsilon=args.adv_epsilon,
-                    alpha=args.adv_alpha,
-                    steps=args.adv_steps,
+                    **ascent,
                     init_mag=args.adv_init_mag,
                     clean_pass=args.freelb_clean_pass,
                     target=args.adv_target,
                 )
             else:
-                self.attacker = PGD(
-                    unwrapped,
-                    epsilon=args.adv_epsilon,
-                    alpha=args.adv_alpha,
-                    steps=args.adv_steps,
-                    norm=args.adv_norm,
-                    target=args.adv_target,
-                )
+                self.attacker = PGD(unwrapped, **ascent, norm=args.adv_norm, target=args.adv_target)
         return self.attacker
 
 

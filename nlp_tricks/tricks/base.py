@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..trick import Trick
+from ..trick import LossBatch, LossInForward, Trick
 
-__all__ = ["BuiltInTrick"]
+__all__ = ["BuiltInTrick", "HeadLossTrick"]
 
 
 class BuiltInTrick(Trick):
@@ -55,3 +55,24 @@ class BuiltInTrick(Trick):
         saved = legacy["trick_state"]
         counters = {key: saved[key] for key in self.logged_state if key in saved}
         return counters or None
+
+
+class HeadLossTrick(BuiltInTrick):
+    """A built-in trick whose head computes the loss inside the model's forward (:class:`~nlp_tricks.trick.
+    LossInForward`, attached in ``prepare_model`` as ``self._hook``): the CRF, a span head. Its loss replaces the
+    labels' loss, so a batch with teacher logits (distillation) is refused, naming :attr:`flag`."""
+
+    #: The flag that switches it on, as a refusal names it.
+    flag: ClassVar[str]
+
+    def __init__(self, args):
+        super().__init__(args)
+        self._hook: LossInForward | None = None
+
+    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
+        if batch.teacher_logits is not None:
+            raise ValueError(f"{self.flag} does not apply to batches with teacher_logits (distillation)")
+        return batch
+
+    def forward_context(self, trainer, batch: LossBatch):
+        return self._hook.computing(batch)

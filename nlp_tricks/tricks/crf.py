@@ -3,6 +3,7 @@ with Viterbi. Its math is in :mod:`nlp_tricks.crf`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -11,8 +12,8 @@ from torch import nn
 from ..functional.crf import CRF, add_crf, compact, expand
 from ..functional.models import unwrap_model
 from ..functional.outputs import output_logits
-from ..trick import LossBatch, LossInForward
-from .base import BuiltInTrick
+from ..trick import LossInForward
+from .base import HeadLossTrick
 
 __all__ = ["CRFTrick", "CRFHead", "CRFArguments"]
 
@@ -43,17 +44,14 @@ class CRFArguments:
     )
 
 
-class CRFTrick(BuiltInTrick):
+class CRFTrick(HeadLossTrick):
     """``crf``: attaches ``model.crf``; the loss (per sentence) is computed inside the model's forward by a hook, as
     a built-in CRF head would, so DDP / FSDP see its scores used; predictions are the Viterbi paths."""
 
     arguments = CRFArguments
+    flag = "crf"
     order = 400
     changes_loss = True
-
-    def __init__(self, args):
-        super().__init__(args)
-        self._hook: LossInForward | None = None
 
     @classmethod
     def enabled(cls, args) -> bool:
@@ -70,16 +68,13 @@ class CRFTrick(BuiltInTrick):
         return ["crf=True"]
 
     def prepare_model(self, trainer, model: nn.Module) -> None:
+        if unwrap_model(model, peft=True) is not unwrap_model(model) and getattr(model, "crf", None) is None:
+            raise ValueError(
+                "crf=True cannot be added to a PEFT model after wrapping (its adapter would not save it): call "
+                "nlp_tricks.crf.add_crf(model) first, then get_peft_model with 'crf' in modules_to_save"
+            )
         add_crf(model, bio_constraints=self.args.crf_bio_constraints)
         self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
-
-    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
-        if batch.teacher_logits is not None:
-            raise ValueError("crf does not apply to batches with teacher_logits (distillation)")
-        return batch
-
-    def forward_context(self, trainer, batch: LossBatch):
-        return self._hook.computing(batch)
 
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         return self.crf_loss(trainer.model, logits, labels, num_items_in_batch)
@@ -111,10 +106,19 @@ class CRFTrick(BuiltInTrick):
         return labels.ne(-100).any(dim=-1).sum()
 
     def param_group_options(self, trainer, model: nn.Module) -> dict:
-        if not isinstance(getattr(model, "crf", None), CRF):
+        # `crf`, or under PEFT `base_model.model.crf` (its modules_to_save wrapper, whose trained copy is the CRF).
+        name = next(
+            (
+                name
+                for name, module in model.named_modules()
+                if name.rsplit(".", 1)[-1] == "crf" and isinstance(getattr(module, "original_module", module), CRF)
+            ),
+            None,
+        )
+        if name is None:
             return {}
         # The CRF's scores are biases of the tag sequence: their own lr, no weight decay.
-        return {"no_decay": (r"^crf\.",), "module_lr_scales": {"crf": self.args.crf_lr_scale}}
+        return {"no_decay": (rf"^{re.escape(name)}\.",), "module_lr_scales": {name: self.args.crf_lr_scale}}
 
     def adjust_predictions(self, trainer, inputs, logits):
         """The Viterbi paths as one-hot scores at the labelled positions (argmax of the logits elsewhere), so

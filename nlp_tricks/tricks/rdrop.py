@@ -41,7 +41,7 @@ class RDropTrick(BuiltInTrick):
 
     def __init__(self, args):
         super().__init__(args)
-        self._checked = False  # the first batch checks that the model has active dropout
+        self._checked = False  # the first batch checks that the model has active dropout (PEFT: after a step)
 
     @classmethod
     def enabled(cls, args) -> bool:
@@ -92,14 +92,17 @@ class RDropTrick(BuiltInTrick):
             logits = logits / self.args.temperature
         logits_a, logits_b = logits.chunk(2)
         if not self._checked:
-            if torch.equal(logits_a, logits_b):
+            model = unwrap_model(trainer.model)  # a PEFT model stays one: its dropout is judged after a step
+            if not torch.equal(logits_a, logits_b):
+                self._checked = True
+            # A LoRA adapter's B starts at zero, so its dropout acts on a path that adds nothing until the first
+            # update: a PEFT model is judged after one optimizer step.
+            elif not (hasattr(model, "peft_config") and trainer.state.global_step == 0):
                 raise ValueError(
                     f"rdrop_alpha={self.args.rdrop_alpha} needs dropout, but the two passes over the batch gave "
-                    f"identical logits: {type(unwrap_model(trainer.model)).__name__} has no "
-                    "active dropout (e.g. hidden_dropout_prob=0 in its config); give it a dropout probability > 0 or "
-                    "set rdrop_alpha=0"
+                    f"identical logits: {type(model).__name__} has no active dropout (e.g. hidden_dropout_prob=0 in "
+                    "its config); give it a dropout probability > 0 or set rdrop_alpha=0"
                 )
-            self._checked = True
         kl = rdrop_kl(logits_a, logits_b, labels.chunk(2)[0], num_items_in_batch=num_items_in_batch)
         trainer.record_loss_term("loss_kl", kl, num_items_in_batch)
         return self.args.rdrop_alpha * kl

@@ -21,8 +21,8 @@ from ..functional.spans import (
     span_scores,
     word_positions_of,
 )
-from ..trick import LossBatch, LossInForward
-from .base import BuiltInTrick
+from ..trick import LossInForward
+from .base import HeadLossTrick
 
 __all__ = ["SpanHeadTrick", "SpanHeadArguments", "span_predictions"]
 
@@ -78,19 +78,19 @@ class SpanHeadArguments:
     )
 
 
-class SpanHeadTrick(BuiltInTrick):
+class SpanHeadTrick(HeadLossTrick):
     """``span_head``: puts the span head in the model's classifier's place; the loss (one item per sentence and
     entity type) is computed inside the model's forward by a hook, as the CRF's is, so DDP / FSDP see the whole head
     used; predictions are the decoded spans as ``(B, K, 3)`` rows ``(type, start, end exclusive)`` over words, padded
     with -100 (see :func:`span_predictions`)."""
 
     arguments = SpanHeadArguments
+    flag = "span_head"
     order = 450  # after the CRF, which it refuses; before the loss tricks, which it replaces
     changes_loss = True
 
     def __init__(self, args):
         super().__init__(args)
-        self._hook: LossInForward | None = None
         self.num_types: int | None = None
 
     @classmethod
@@ -136,14 +136,6 @@ class SpanHeadTrick(BuiltInTrick):
         self.num_types = head.num_types
         model.config.span_flat = bool(args.span_flat)  # saved with the model: how its predictions were decoded
         self._hook = LossInForward.attach(self._hook, trainer, model, self._loss_in_forward)
-
-    def prepare_loss_batch(self, trainer, batch: LossBatch) -> LossBatch:
-        if batch.teacher_logits is not None:
-            raise ValueError("span_head does not apply to batches with teacher_logits (distillation)")
-        return batch
-
-    def forward_context(self, trainer, batch: LossBatch):
-        return self._hook.computing(batch)
 
     def compute_loss(self, trainer, logits, labels, num_items_in_batch=None):
         self.check_length(labels)

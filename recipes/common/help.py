@@ -7,6 +7,8 @@ import dataclasses
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
+from .peft import PeftArguments
+
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (its command lines stay lines); each flag's help with its default."""
@@ -65,7 +67,14 @@ def _groups_of(dtype) -> list[tuple[str, str | None, list[str]]]:
     bases = [cls.__name__ for cls in dtype.__mro__]
     title = next((t for name, t in GROUP_TITLES if name in bases), dtype.__name__.removesuffix("Arguments"))
     doc = (dtype.__doc__ or "").strip().splitlines()
-    return [(title, doc[0] if doc and not doc[0].startswith(dtype.__name__ + "(") else None, names)]
+    groups = [(title, doc[0] if doc and not doc[0].startswith(dtype.__name__ + "(") else None, names)]
+    if issubclass(dtype, PeftArguments):  # the LoRA flags in a group of their own, after the model's
+        peft_names = {f.name for f in dataclasses.fields(PeftArguments)}
+        groups = [
+            (title, groups[0][1], [n for n in names if n not in peft_names]),
+            ("LoRA / PEFT", PeftArguments.__doc__.strip().splitlines()[0], [n for n in names if n in peft_names]),
+        ]
+    return groups
 
 
 def describe_run_flags(actions: dict, evidence_defaults: dict, evidence_unless: str | None) -> None:

@@ -12,6 +12,10 @@ from transformers import (
     AutoModelForTokenClassification,
     AutoTokenizer,
 )
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 
 from nlp_tricks.data import DataError, demo_causal_lm_path, demo_model_path
 from nlp_tricks.functional.crf import add_crf, load_crf_model
@@ -20,6 +24,8 @@ from nlp_tricks.runtime.checkpoint import is_state_dict_file, load_state_dict_po
 
 from .arguments import ModelArguments
 from .errors import one_line_load_errors
+from .pad_token import choose_pad_token, fit_model_to_tokenizer
+from .peft import TASK_TYPES, adapter_config, add_lora, load_adapter
 
 # Names of built-in demo models that --model_name_or_path takes, and the function giving each one's folder.
 DEMO_MODELS = {"smollm2-demo": demo_causal_lm_path, "minilm-demo": demo_model_path}
@@ -53,26 +59,95 @@ def load_config_and_tokenizer(
     return config, tokenizer
 
 
-def load_classifier(auto_cls, model_args: ModelArguments, labels: list[str], model_path: str | None = None):
+def load_classifier(
+    auto_cls, model_args: ModelArguments, labels: list[str], model_path: str | None = None, training_args=None
+):
     """``(model, tokenizer, config)``: ``auto_cls`` (a token / sequence classification class) from
-    ``model_path`` (default ``--model_name_or_path``) with a fresh head over ``labels``."""
+    ``model_path`` (default ``--model_name_or_path``) with a fresh head over ``labels``, ready to train with
+    ``training_args`` (``--do_train``, ``--crf``), or to predict (``training_args`` None).
+
+    The tokenizer gets a padding token if it has none (``--pad_token``; :func:`choose_pad_token`) and the model's
+    config its id. A folder holding a PEFT adapter (a run saved with ``--merge_lora false``) loads on its base model,
+    trained head and CRF included; trained with ``--peft none`` it is merged and every weight trains. Trained with
+    ``--peft lora``, a model without an adapter gets a new one (:func:`add_lora`), a ``--crf`` inside it.
+    """
+    train = training_args is not None and training_args.do_train
     path = resolve_model_path(model_path or model_args.model_name_or_path)
+    adapter = adapter_config(path)
+    base = adapter["base_model_name_or_path"] if adapter else path
     config, tokenizer = load_config_and_tokenizer(
-        path,
-        model_args.tokenizer_name,
+        base,
+        model_args.tokenizer_name or (path if adapter else None),  # the run saved its tokenizer beside the adapter
         model_args.trust_remote_code,
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
     )
+    check_task_class(auto_cls, config, base)
     model = load_weights(
         auto_cls,
-        path,
+        base,
         config,
         model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
+    check_head_dropout(auto_cls, config, training_args)
+    new_token = choose_pad_token(tokenizer, model_args.pad_token, f"--model_name_or_path {path}")
+    fit_model_to_tokenizer(model, tokenizer)
+    if adapter:
+        if "crf" in (adapter.get("modules_to_save") or []):
+            add_crf(model)  # the adapter holds the trained CRF's weights
+        model = load_adapter(model, path, model_args, train)
+    elif train and model_args.peft == "lora":
+        task_type = TASK_TYPES.get(auto_cls.__name__, "SEQ_CLS")
+        if getattr(training_args, "crf", False) and task_type == "TOKEN_CLS":
+            add_crf(model, bio_constraints=training_args.crf_bio_constraints)  # trains in full beside the adapter
+        model = add_lora(model, model_args, task_type, () if new_token is None else (new_token,))
     return model, tokenizer, config
+
+
+def is_causal_lm(config) -> bool:
+    """Whether a checkpoint is a decoder-only causal LM: not encoder-decoder, and its architecture is one of
+    transformers' causal LMs (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), or, without a recorded architecture,
+    its model type has a causal LM and no masked LM (BERT has both: it is an encoder, for BERT2BERT)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if any(name in causal_classes for name in getattr(config, "architectures", None) or []):
+        return True
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+
+
+def check_head_dropout(auto_cls, config, training_args) -> None:
+    """Multi-sample dropout (``--head_dropout_samples``) on a decoder's sequence classifier, refused in one line: its
+    head runs at every position before the last token's logits are taken, so the K head samples are not logits."""
+    samples, p = getattr(training_args, "head_dropout_samples", 1), getattr(training_args, "head_dropout", 0.0)
+    if (samples > 1 or p > 0) and auto_cls is AutoModelForSequenceClassification and is_causal_lm(config):
+        raise DataError(
+            None,
+            None,
+            f"--head_dropout_samples {samples} --head_dropout {p:g}: a decoder's sequence classifier "
+            f"({config.model_type}) runs its head at every position and then keeps the last token's logits; "
+            "multi-sample dropout needs a head whose output is the logits (an encoder's, or token classification)",
+        )
+
+
+def check_task_class(auto_cls, config, model_name_or_path: str) -> None:
+    """A model whose architecture transformers has no class for this task (``--model_name_or_path`` a decoder
+    without ``*ForTokenClassification``, such as GPT-J) is refused in one line naming it."""
+    if type(config) in auto_cls._model_mapping or auto_cls.__name__ in (getattr(config, "auto_map", None) or {}):
+        return
+    task = auto_cls.__name__.removeprefix("AutoModelFor")
+    names = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+    raise DataError(
+        None,
+        None,
+        f"--model_name_or_path {model_name_or_path}: transformers has no {task} class for the architecture "
+        f"{config.model_type!r} ({names}); this recipe needs one (Llama, Qwen2, Mistral, GPT-2 and most encoders "
+        "have it)",
+    )
 
 
 def load_weights(
@@ -121,7 +196,8 @@ def _load_weights(auto_cls, model_name_or_path: str, config, trust_remote_code: 
 
 def model_holds_crf(model_name_or_path: str | None) -> bool:
     """Whether ``--model_name_or_path`` is a model saved with its CRF (``--crf true``): ``config.crf`` in its folder,
-    or ``crf.*`` weights in a state-dict file. Such a model is only right as a CRF (Viterbi over its emissions)."""
+    a ``crf`` among the ``modules_to_save`` of the adapter it holds, or ``crf.*`` weights in a state-dict file. Such
+    a model is only right as a CRF (Viterbi over its emissions)."""
     if not model_name_or_path or model_name_or_path in DEMO_MODELS:
         return False
     if is_state_dict_file(model_name_or_path):
@@ -130,6 +206,9 @@ def model_holds_crf(model_name_or_path: str | None) -> bool:
         except Exception:  # an unreadable file is reported, in one line, where the model loads
             return False
         return any(key == "crf.transitions" or key.endswith(".crf.transitions") for key in keys)
+    adapter = adapter_config(model_name_or_path)
+    if adapter is not None:  # an adapter saved alone (--merge_lora false) holds its CRF in modules_to_save
+        return "crf" in (adapter.get("modules_to_save") or [])
     config_file = Path(model_name_or_path) / "config.json"
     if config_file.is_file():
         try:

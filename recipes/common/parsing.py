@@ -18,7 +18,15 @@ from .arguments import RunArguments
 from .config_file import flag_actions, is_config_file, read_config_file
 from .help import HelpFormatter, as_flags, describe_run_flags, description_of, flag_help, group_arguments
 from .process import warn
+from .threads import has_accelerator
 from .user_tricks import TrickError, attach_user_tricks, config_trick_specs, load_user_tricks, trick_specs
+
+# `--logging_steps` unless given: a share of the run's steps (the Trainer reads a value below 1 so), about 50 points
+# however long the run, so that a 30-step run on a user's file still plots its loss and learning rate.
+LOGGING_SHARE = 0.02
+# `--eval_steps` unless given, with `--eval_strategy steps`: the Trainer would take the logging interval (50
+# evaluations a run).
+EVAL_SHARE = 0.1
 
 
 def parse_recipe_args(
@@ -62,6 +70,10 @@ def parse_recipe_args(
     namespace = parser.parse_args(argv)
     given = set(from_file) | flags_given(parser, argv)
     apply_dependent_defaults(namespace, dependent_defaults, given)
+    if getattr(namespace, "eval_steps", 0) is None and "logging_steps" not in given:
+        # --load_best_model_at_end saves at evaluations: a share cannot be kept a divisor of whole save steps.
+        whole_saves = namespace.load_best_model_at_end and namespace.save_steps >= 1
+        namespace.eval_steps = namespace.save_steps if whole_saves else EVAL_SHARE
     if "save_steps" in given and "save_strategy" not in given and hasattr(namespace, "save_strategy"):
         namespace.save_strategy = "steps"
     try:
@@ -91,15 +103,20 @@ def _user_tricks(recipe: str, dataclass_types: tuple, argv: list[str]) -> list:
 
 
 def run_defaults(recipe: str, defaults: dict | None) -> dict:
-    """Every recipe's defaults (its own ``defaults`` win): outputs/<recipe>, no reporting, training on, and a
-    checkpoint on preemption."""
+    """Every recipe's defaults (its own ``defaults`` win): outputs/<recipe>, no reporting, training on, a checkpoint
+    on preemption, the loss logged at the first step and then about 50 times a run, and no pinned memory without an
+    accelerator (where torch warns that it has nothing to pin for)."""
     defaults = {
         "output_dir": f"outputs/{recipe}",
         "report_to": "none",
         "do_train": True,
         "enable_jit_checkpoint": True,
+        "logging_steps": LOGGING_SHARE,
+        "logging_first_step": True,
         **(defaults or {}),
     }
+    if not has_accelerator():
+        defaults.setdefault("dataloader_pin_memory", False)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         # A launched multi-process job without GPUs (`accelerate launch --multi_gpu` on CPUs): accelerate forms the
         # CPU (gloo) process group only with use_cpu; without it every process would train alone on all the data.

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from nlp_tricks.data import DataError
 from nlp_tricks.model_card import write_model_card
@@ -19,44 +16,23 @@ from nlp_tricks.runtime.preemption import PREEMPTED_EXIT_CODE, describe_stop
 from nlp_tricks.runtime.resume import CheckpointResumeError, get_last_complete_checkpoint
 
 from .outputs import output_dir_locks, write_json_atomic
+from .peft import merge_trained_adapter
 from .process import is_main_process
-
-
-def use_every_core() -> None:
-    """Let a single CPU process use every core, unless the user chose a thread count.
-
-    ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for one CPU process when the user set neither that variable nor
-    ``--num_cpu_threads_per_process``, which leaves all cores but one idle (the NER demo on 2 cores: 214 s on one
-    thread, 134 s on two). Only that case is changed, read from the launcher's own environment and command line.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or torch.cuda.is_available():
-        return
-    if os.environ.get("OMP_NUM_THREADS") != "1" or "ACCELERATE_MIXED_PRECISION" not in os.environ:
-        return
-    try:
-        parent = os.getppid()
-        launcher_env = Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
-        launcher_cmd = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return  # not Linux, or not readable: keep what the launcher set
-    user_chose = any(item.startswith(b"OMP_NUM_THREADS=") for item in launcher_env) or any(
-        item.startswith(b"--num_cpu_threads_per_process") for item in launcher_cmd
-    )
-    if not user_chose and b"launch" in launcher_cmd:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(cores)
+from .summary import print_summary
+from .threads import choose_threads
 
 
 def run_recipe(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`~nlp_tricks.data.DataError`, an ``--output_dir`` another run holds or a checkpoint
-    that cannot be resumed ends it with one line on stderr and exit status 1, a diverged training run with status 3
-    (``DIVERGED_EXIT_CODE``), a full disk while saving with status 74 (``NO_SPACE_EXIT_CODE``).
+    """Run ``main`` with the torch threads :func:`choose_threads` picks; a :class:`~nlp_tricks.data.DataError`, an
+    ``--output_dir`` another run holds or a checkpoint that cannot be resumed ends it with one line on stderr and exit
+    status 1, a diverged training run with status 3 (``DIVERGED_EXIT_CODE``), a full disk while saving with status 74
+    (``NO_SPACE_EXIT_CODE``).
 
     Only rank 0 prints, so a launched job with N processes shows the line once; the refusal of a job whose arguments
     are not distributed is printed by every process (each would have trained alone). Nothing else is caught: a bug
     keeps its traceback. The output folder's lock is released when ``main`` ends, however it ends.
     """
-    use_every_core()
+    choose_threads()
     try:
         main()
     except (DataError, OutputDirBusyError, TrainingDivergedError, NoSpaceLeftError, CheckpointResumeError) as err:
@@ -97,8 +73,9 @@ def train_evaluate_predict(
 ) -> dict:
     """The end of every recipe: train (``--resume_from_checkpoint`` honoured; skipped with ``--do_train false``), save
     the model and the Trainer state, evaluate on validation, predict on test (``write_test_predictions(output)`` on
-    rank 0, with the ``PredictionOutput``), then write ``all_results.json`` once, atomically, on rank 0. Returns the
-    results.
+    rank 0, with the ``PredictionOutput``), then write ``all_results.json`` once, atomically, on rank 0, and print
+    the run's summary there (the headline scores, where everything is, the commands that predict and plot). Returns
+    the results.
 
     ``split_metrics`` gives each split its own ``compute_metrics`` (the Trainer's is swapped in before that split
     is scored), for metrics that need the split's own data: every word of an NER sentence, the full reference
@@ -115,6 +92,7 @@ def train_evaluate_predict(
     results.update(record)
     if trainer.is_world_process_zero():
         write_json_atomic(Path(trainer.args.output_dir) / "all_results.json", results)
+        print_summary(results, trainer.args.output_dir, trained=trainer.args.do_train)
     return results
 
 
@@ -132,6 +110,7 @@ def _train(trainer, train_dataset) -> dict:
         )
     train_result = trainer.train(resume_from_checkpoint=resume)
     exit_if_preempted(trainer)
+    merge_trained_adapter(trainer)  # --peft lora --merge_lora true: saved, evaluated and predicting merged
     trainer.save_model()
     if trainer.is_world_process_zero():  # a CRF, span head or pooling: how to load it so that it predicts as evaluated
         write_model_card(args.output_dir, trainer.model.config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable
 
 from transformers import TrainingArguments, set_seed
@@ -10,7 +12,9 @@ from .arguments import DataArguments, ModelArguments
 from .models import check_saved_crf, saved_crf_defaults
 from .outputs import prepare_output_dir
 from .parsing import parse_recipe_args
+from .peft import check_peft_tricks
 from .run import resume_argument
+from .summary import remember_command
 
 
 def start_recipe(
@@ -57,6 +61,9 @@ def start_recipe(
     )
     if saved_crf_models:
         check_saved_crf(training_args, model_args)
+    data_fields = {f.name for f in dataclasses.fields(data_args)} - {"overwrite_output_dir"}
+    remember_command(recipe, list(sys.argv[1:] if argv is None else argv), data_fields)
+    check_peft_tricks(model_args, training_args)
     set_seed(training_args.seed)
     prepare_output_dir(
         training_args.output_dir,

@@ -4,6 +4,8 @@ import datasets
 import evaluate
 from sklearn.metrics import accuracy_score, f1_score
 
+from nlp_tricks.metrics.scripts import SCIKIT_LEARN_CITATION, shipped_metric
+
 _DESCRIPTION = """
 Accuracy (fraction of correct predictions) and macro-F1 (the unweighted mean of the per-class F1 scores, so rare
 classes count as much as frequent ones) of single-label classification.
@@ -22,25 +24,15 @@ Example:
     0.6666666666666666
 """
 
-_CITATION = """
-@article{scikit-learn, title={Scikit-learn: Machine Learning in {P}ython}, author={Pedregosa, F. and others},
-          journal={Journal of Machine Learning Research}, volume={12}, pages={2825--2830}, year={2011}}
-"""
 
-
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+@shipped_metric(
+    _DESCRIPTION,
+    _KWARGS_DESCRIPTION,
+    SCIKIT_LEARN_CITATION,
+    datasets.Value("int64"),
+    ["https://scikit-learn.org/stable/modules/model_evaluation.html"],
+)
 class AccuracyF1(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
-            ),
-            reference_urls=["https://scikit-learn.org/stable/modules/model_evaluation.html"],
-        )
-
     def _compute(self, predictions, references, labels=None):
         return {
             "accuracy": float(accuracy_score(references, predictions)),

@@ -5,6 +5,8 @@ import evaluate
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score
 
+from nlp_tricks.metrics.scripts import SCIKIT_LEARN_CITATION, shipped_metric
+
 _DESCRIPTION = """
 Scores of multi-label classification, where every example has a set of labels given as a 0/1 indicator row (one
 column per label): subset accuracy (the fraction of examples whose predicted set equals the true set exactly),
@@ -24,30 +26,15 @@ Example:
     0.5
 """
 
-_CITATION = """
-@article{scikit-learn, title={Scikit-learn: Machine Learning in {P}ython}, author={Pedregosa, F. and others},
-          journal={Journal of Machine Learning Research}, volume={12}, pages={2825--2830}, year={2011}}
-"""
 
-
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+@shipped_metric(
+    _DESCRIPTION,
+    _KWARGS_DESCRIPTION,
+    SCIKIT_LEARN_CITATION,
+    datasets.Sequence(datasets.Value("int64")),
+    ["https://scikit-learn.org/stable/modules/model_evaluation.html#multilabel-ranking-metrics"],
+)
 class MultiLabelF1(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Sequence(datasets.Value("int64")),
-                    "references": datasets.Sequence(datasets.Value("int64")),
-                }
-            ),
-            reference_urls=[
-                "https://scikit-learn.org/stable/modules/model_evaluation.html#multilabel-ranking-metrics"
-            ],
-        )
-
     def _compute(self, predictions, references):
         y_pred, y_true = np.asarray(predictions, dtype=np.int64), np.asarray(references, dtype=np.int64)
         return {

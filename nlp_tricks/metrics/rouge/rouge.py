@@ -4,6 +4,8 @@ import datasets
 import evaluate
 from rouge_score import rouge_scorer
 
+from nlp_tricks.metrics.scripts import shipped_metric
+
 _DESCRIPTION = """
 ROUGE F-measures between generated and reference texts, averaged over the examples: ROUGE-1 / ROUGE-2 (unigram /
 bigram overlap) and ROUGE-L (longest common subsequence), and ROUGE-Lsum (LCS over newline-separated sentences).
@@ -30,19 +32,14 @@ _CITATION = """
 """
 
 
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
+@shipped_metric(
+    _DESCRIPTION,
+    _KWARGS_DESCRIPTION,
+    _CITATION,
+    datasets.Value("string"),
+    ["https://aclanthology.org/W04-1013", "https://pypi.org/project/rouge-score/"],
+)
 class Rouge(evaluate.Metric):
-    def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
-            reference_urls=["https://aclanthology.org/W04-1013", "https://pypi.org/project/rouge-score/"],
-        )
-
     def _compute(self, predictions, references, rouge_types=None, use_stemmer=True):
         rouge_types = list(rouge_types or ["rouge1", "rouge2", "rougeL", "rougeLsum"])
         scorer = rouge_scorer.RougeScorer(rouge_types=rouge_types, use_stemmer=use_stemmer)
