@@ -1,6 +1,7 @@
 """The recipes' evidence defaults as a user meets them: `recipes/ner.py` trains a CRF and `recipes/classification.py`
 focal loss unless `--tricks none` (or a flag that does not combine with them, or `--multi_label`)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -39,13 +40,13 @@ def test_ner_flag_that_excludes_the_crf_turns_it_off_with_a_warning(tiny_model, 
 )
 def test_classification_trains_with_focal_loss_by_default(tiny_model, tmp_path, monkeypatch, extra, focal_expected):
     calls = []
-    original = loss_module.focal_loss
+    entry = loss_module.LOSS_TABLE["focal"]
 
     def spy(*args, **kwargs):
         calls.append(1)
-        return original(*args, **kwargs)
+        return entry.function(*args, **kwargs)
 
-    monkeypatch.setattr(loss_module, "focal_loss", spy)
+    monkeypatch.setitem(loss_module.LOSS_TABLE, "focal", dataclasses.replace(entry, function=spy))
     write_csv(tmp_path / "train.csv", CLS_ROWS)
     write_csv(tmp_path / "test.csv", CLS_ROWS[:3])
     files = ["--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "test.csv")]

@@ -58,6 +58,8 @@ def test_ci_installs_the_floors_and_runs_the_readmes_test_command_verbatim():
 
 
 def test_readme_set_up_is_two_lines_the_second_being_what_ci_runs():
-    install, test = _readme_block("Install")
-    assert "accelerate launch recipes/ner.py" in install and "torch==" not in install
+    """The CPU build's line (for machines without a GPU), then the two commands: install and the main job, CI."""
+    cpu, install, test = _readme_block("Install")
+    assert cpu.startswith("pip install torch --index-url ") and cpu.endswith("/cpu")
+    assert "recipes/ner.py" in install and "torch==" not in install
     assert test == "bash .ci/run"
