@@ -567,17 +567,16 @@ def build_classification_trainer(
     if swap is not None:
         training_args.remove_unused_columns = False  # the swapped pairs' columns go to the collator
     attach_pair_swap(model, data_args, swap)
+    parts = {"model": model, "processing_class": tokenizer, "data_collator": collator}
     trainer = build_trainer(
         TricksTrainer,
         training_args,
         train_dataset,
         eval_datasets,
-        model=model,
-        processing_class=tokenizer,
-        data_collator=collator,
         compute_metrics=split_metrics.get("validation"),
-        preprocess_logits_for_metrics=probabilities(multi_label),
+        preprocess_logits_for_metrics=probabilities(multi_label),  # test_probabilities.npy: every head's
         callbacks=[LabelTokenFile()],
+        **parts,
     )
     return trainer, split_metrics
 

@@ -32,9 +32,10 @@ from nlp_tricks.label_token import (
 )
 from nlp_tricks.runtime.checkpoint import is_state_dict_file
 
-from common import ModelArguments, load_classifier, load_config_and_tokenizer, load_weights, resolve_model_path, warn
+from common import ModelArguments, load_classifier, load_weights, resolve_model_path, warn
+from common.models import load_labelled_config
 from common.pad_token import choose_pad_token, fit_model_to_tokenizer
-from common.peft import adapter_config, add_lora, load_adapter
+from common.peft import add_lora, load_adapter
 
 HEADS = ("classifier", "label_token")
 
@@ -177,16 +178,7 @@ def load_label_token_classifier(
     if is_state_dict_file(path):
         raise DataError(None, None, f"--model_name_or_path {path}: --head label_token needs a causal LM folder")
     saved = _saved_record(path)
-    adapter = adapter_config(path)
-    source = adapter["base_model_name_or_path"] if adapter else path
-    config, tokenizer = load_config_and_tokenizer(
-        source,
-        model_args.tokenizer_name or (path if adapter else None),  # the run saved its tokenizer beside the adapter
-        model_args.trust_remote_code,
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={label: i for i, label in enumerate(labels)},
-    )
+    adapter, source, config, tokenizer = load_labelled_config(path, model_args, labels)
     new_token = choose_pad_token(tokenizer, getattr(model_args, "pad_token", None), f"--model_name_or_path {path}")
     words = label_word_list(model_args.label_words, labels, saved)
     template = prompt_of(model_args.prompt_template, saved, tokenizer, words, pairs)

@@ -73,16 +73,7 @@ def load_classifier(
     """
     train = training_args is not None and training_args.do_train
     path = resolve_model_path(model_path or model_args.model_name_or_path)
-    adapter = adapter_config(path)
-    base = adapter["base_model_name_or_path"] if adapter else path
-    config, tokenizer = load_config_and_tokenizer(
-        base,
-        model_args.tokenizer_name or (path if adapter else None),  # the run saved its tokenizer beside the adapter
-        model_args.trust_remote_code,
-        num_labels=len(labels),
-        id2label=dict(enumerate(labels)),
-        label2id={label: i for i, label in enumerate(labels)},
-    )
+    adapter, base, config, tokenizer = load_labelled_config(path, model_args, labels)
     check_task_class(auto_cls, config, base)
     model = load_weights(
         auto_cls,
@@ -104,6 +95,23 @@ def load_classifier(
             add_crf(model, bio_constraints=training_args.crf_bio_constraints)  # trains in full beside the adapter
         model = add_lora(model, model_args, task_type, () if new_token is None else (new_token,))
     return model, tokenizer, config
+
+
+def load_labelled_config(path: str, model_args: ModelArguments, labels: list[str]):
+    """``(adapter config or None, base model, config, tokenizer)`` of the model folder or Hub id ``path``: a folder
+    holding a PEFT adapter reads its base model's config and its own tokenizer (the run saved it beside the
+    adapter); the config gets ``labels`` (``num_labels``, ``id2label``, ``label2id``)."""
+    adapter = adapter_config(path)
+    base = adapter["base_model_name_or_path"] if adapter else path
+    config, tokenizer = load_config_and_tokenizer(
+        base,
+        model_args.tokenizer_name or (path if adapter else None),
+        model_args.trust_remote_code,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    return adapter, base, config, tokenizer
 
 
 def is_causal_lm(config) -> bool:
