@@ -187,15 +187,15 @@ def run_seed(args, task, recipe_flags: list[str], data: dict, seed: int) -> dict
     out = Path(args.output_dir) / f"seed{seed}"
     flags = recipe_run_flags(task, recipe_flags, data, seed)
     recipe = str(Path(task.recipe.__file__).resolve())
-    single = run_one(recipe, out / "single", flags)["results"]
+    single = run_one(recipe, out / "single", flags, label="kfold_evidence")["results"]
     start = time.perf_counter()
     kfold = run_kfold(kfold_command(args, task, flags, out / "kfold"), out / "kfold")
     wall = time.perf_counter() - start
     results = {"single": single, "kfold": kfold}
     if args.teacher:
-        results["teacher's student"] = run_one(recipe, out / "teacher_student", [*flags, "--teacher", args.teacher])[
-            "results"
-        ]
+        results["teacher's student"] = run_one(
+            recipe, out / "teacher_student", [*flags, "--teacher", args.teacher], label="kfold_evidence"
+        )["results"]
     return {
         "seed": seed,
         "folders": {name: str(out / folder) for name, (folder, _, _) in systems(args).items()},
@@ -316,7 +316,7 @@ def run_baseline(task, data: dict, out: Path, metric: str, labels: list[str] | N
         "--test_file",
         str(data["files"]["test"]),
     ]
-    record = run_one(str(HERE / "baselines.py"), out / "baseline", flags)
+    record = run_one(str(HERE / "baselines.py"), out / "baseline", flags, label="kfold_evidence")
     rows = evidence.example_rows(task.name, out / "baseline", labels)
     return {
         "system": f"trivial baseline: {BASELINES[task.name]}",
