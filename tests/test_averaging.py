@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
@@ -27,7 +25,6 @@ from transformers import (
 from nlp_tricks import TricksArguments, TricksTrainer
 from nlp_tricks.cli import main as cli_main
 from nlp_tricks.functional.crf import add_crf, load_crf_model
-from nlp_tricks.runtime import upstream as _upstream
 from nlp_tricks.runtime.averaging import (
     AVERAGING_INFO_NAME,
     EMA,
@@ -39,7 +36,16 @@ from nlp_tricks.runtime.checkpoint import CheckpointMismatchError
 from nlp_tricks.runtime.state import TRICKS_STATE_NAME, load_trick_states
 from recipe_helpers import launch_ddp_script, ner_files, rank_report, run_in_process, tiny_args
 from scripts import resume_run
-from tiny import bert_config, bert_seq_cls, bert_token_cls, ema_of, seq_cls_data, token_cls_data, tricks_args
+from tiny import (
+    bert_config,
+    bert_seq_cls,
+    bert_token_cls,
+    ema_of,
+    needs_crf_loading,
+    seq_cls_data,
+    token_cls_data,
+    tricks_args,
+)
 
 from ablation import CONFIGURATIONS
 
@@ -561,10 +567,7 @@ def test_checkpoints_of_different_architectures_and_a_crf_in_one_only_are_refuse
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(
-    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
-    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
-)
+@needs_crf_loading
 def test_checkpoints_with_a_crf_average_into_a_crf_model(tmp_path):
     states = []
     for seed in (1, 2):

@@ -13,7 +13,7 @@ from transformers import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING, AutoModelForTok
 from nlp_tricks import TricksTrainer, load_state_dict_portable
 from nlp_tricks.functional.crf import CRF, _LogPartition, add_crf, bio_constraints, compact, load_crf_model
 from nlp_tricks.runtime import upstream as _upstream
-from tiny import bert_token_cls, token_cls_data, tricks_args
+from tiny import bert_token_cls, needs_crf_loading, token_cls_data, tricks_args
 
 BIO = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
 
@@ -243,10 +243,7 @@ def _word_batch(n=6):
     return default_data_collator([data[i] for i in range(n)])
 
 
-@pytest.mark.skipif(
-    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
-    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
-)
+@needs_crf_loading
 def test_save_pretrained_then_one_call_loads_model_and_crf(tmp_path):
     model = _ner_model()
     crf = add_crf(model, bio_constraints=True)
@@ -274,10 +271,7 @@ def test_save_pretrained_then_one_call_loads_model_and_crf(tmp_path):
         assert fresh.crf.decode(fresh(**batch).logits, mask) == before
 
 
-@pytest.mark.skipif(
-    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
-    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
-)
+@needs_crf_loading
 def test_loading_a_folder_without_a_crf_is_refused(tmp_path):
     _ner_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no CRF weights"):

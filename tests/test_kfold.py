@@ -18,20 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 
-from nlp_tricks.runtime import upstream as _upstream
 from recipe_helpers import ROOT, TEST_CONLL, TRAIN_CONLL, env, run_in_process, write_csv
+from tiny import needs_crf_loading
 
 import kfold
 import sweep
 from ablation import finished_record
-
-needs_crf_loading = pytest.mark.skipif(
-    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
-    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
-)
 
 CLS_TRAIN = [
     ("the cat sat on the mat", "animal"),
@@ -352,6 +345,7 @@ BIOES_TRAIN = "".join(
 BIOES_TEST = "Mary\tS-PER\nworks\tO\nat\tO\nNew\tB-ORG\nYork\tI-ORG\nAcme\tE-ORG\n\nthe\tO\ndog\tO\n"
 
 
+@needs_crf_loading
 def test_kfold_ner_on_a_bioes_file_writes_and_scores_its_scheme(tiny_model, tmp_path, monkeypatch):
     from nlp_tricks.data.schemes import convert_tags
     from nlp_tricks.metrics.spans import tag_f1

@@ -14,6 +14,7 @@ from test_kfold import NER_TRAIN, _token_classifier, ner_columns, run_here, seqe
 from test_kfold_members import predict_through
 
 from recipe_helpers import TEST_CONLL, run_in_process
+from tiny import needs_crf_loading
 
 import kfold
 from ensemble_folder import TASKS
@@ -27,6 +28,7 @@ def brute_force_path(emissions, start, transitions, end) -> list[int]:
     return list(max(itertools.product(range(emissions.shape[1]), repeat=len(emissions)), key=score))
 
 
+@needs_crf_loading
 def test_crf_type_bias_fitted_out_of_fold_and_applied_by_the_folder(tiny_model, tmp_path, monkeypatch):
     from kfold_rules import fit_params, read_oof, tag_bias
 

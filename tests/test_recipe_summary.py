@@ -86,7 +86,7 @@ def test_classification_summary(tiny_model, tmp_path, monkeypatch, capsys):
     results = json.loads((out / "all_results.json").read_text())
     assert rows["test"] == scores(results, "test", ("f1", "accuracy"))
     assert "validation" not in rows  # no validation file: no validation scores
-    assert rows["predictions"] == str(out / "test_predictions.csv")
+    assert rows["predictions"] == f"{out / 'test_predictions.csv'}, {out / 'test_probabilities.npy'}"
     assert shlex.split(rows["predict"])[2:] == [*files, "--model_name_or_path", str(out), "--do_train", "false",
                                                 "--output_dir", f"{out}_predict"]  # fmt: skip
 

@@ -19,6 +19,7 @@ from test_kfold import CLS_TEST, CLS_TRAIN, read_csv_rows, run_here, tiny_flags
 from tiny_decoders import make_tiny_decoder
 
 from recipe_helpers import CLS_ROWS, demo_installed, ner_files, run_in_process, tiny_args, write_csv
+from tiny import needs_crf_loading
 
 import ablation
 import kfold
@@ -97,7 +98,7 @@ def test_a_run_merged_in_bf16_predicts_as_its_reload(tiny_llama, tmp_path, monke
     assert again["test_loss"] == trained["test_loss"] and again["eval_loss"] == trained["eval_loss"]
 
 
-@pytest.mark.parametrize("merge", ["true", "false"])
+@pytest.mark.parametrize("merge", [pytest.param("true", marks=needs_crf_loading), "false"])
 def test_ner_lora_crf_on_a_decoder_reloads_and_predicts_the_same(tiny_llama, tmp_path, monkeypatch, merge):
     """The tagger is LlamaForTokenClassification; the CRF trains in full beside the adapter, is saved with it (or
     merged into the model) and predicts again when the run is reloaded (its --crf turned on by the saved model)."""

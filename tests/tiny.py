@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -13,8 +16,15 @@ from transformers import (
 )
 
 from nlp_tricks import TricksArguments
+from nlp_tricks.runtime import upstream as _upstream
 
 VOCAB = 99
+
+# Tests that reload a CRF model folder: load_crf_model needs a transformers that builds the head it saved.
+needs_crf_loading = pytest.mark.skipif(
+    Version(transformers.__version__) < Version(_upstream.CRF_LOADING_SINCE),
+    reason=f"load_crf_model needs transformers >= {_upstream.CRF_LOADING_SINCE}",
+)
 
 
 def bert_config(**overrides) -> BertConfig:
