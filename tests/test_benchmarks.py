@@ -19,6 +19,7 @@ def test_run_all_quick():
     assert "| losses | focal_loss | cross_entropy |" in proc.stdout
 
 
+@pytest.mark.slow  # a process importing torch: seconds; the default run keeps the benchmarks' own tests
 def test_losses_benchmark_quick_json():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "losses.py"), "--quick", "--json"], capture_output=True, text=True
@@ -30,6 +31,7 @@ def test_losses_benchmark_quick_json():
     assert all(r["median_ms"] > 0 for r in rows.values())
 
 
+@pytest.mark.slow  # a process importing torch: seconds; the default run keeps the benchmarks' own tests
 def test_ema_benchmark_quick_json():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "ema.py"), "--quick", "--json"], capture_output=True, text=True
@@ -72,6 +74,7 @@ def test_span_head_benchmark_quick_json():
     assert all(r["median_ms"] > 0 and r["ratio"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # a process importing torch: seconds; the default run keeps the benchmarks' own tests
 def test_tricks_overhead_benchmark_quick_json():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "tricks_overhead.py"), "--quick", "--json", "--repeats", "2"],

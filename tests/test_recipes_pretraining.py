@@ -41,22 +41,9 @@ def pretrain_results(out) -> dict:
 def test_pretrained_folder_loads_in_classification_and_ner(tiny_model, tmp_path, monkeypatch):
     (tmp_path / "corpus.txt").write_text(CORPUS)
     out = tmp_path / "pretrained"
-    proc = launch(
-        "pretraining",
-        tiny_args(
-            tiny_model,
-            out,
-            "--train_file",
-            str(tmp_path / "corpus.txt"),
-            "--validation_split_percentage",
-            "34",
-            "--max_seq_length",
-            "12",
-            "--whole_word_masking",
-            "true",
-        ),
-    )
-    assert_ok(proc)
+    corpus = ["--train_file", str(tmp_path / "corpus.txt"), "--validation_split_percentage", "34"]
+    args = tiny_args(tiny_model, out, *corpus, "--max_seq_length", "12", "--whole_word_masking", "true")
+    assert run_in_process("pretraining", args, monkeypatch) == 0
     results = pretrain_results(out)
     assert results["train_samples"] >= 2 and results["eval_samples"] >= 1
     pretrained = load_file(out / "model.safetensors")
