@@ -3,7 +3,7 @@ same examples, with their costs; with several seeds, each system's difference fr
 interval over seeds and examples.
 
     python recipes/kfold_evidence.py --recipe classification --seeds 3 --folds 5 --full_fit_seeds 3 \\
-        --output_dir evidence/kfold_cls -- --max_train_samples 200 --num_train_epochs 5 --max_seq_length 128
+        --output_dir evidence/kfold_cls -- --max_train_samples 200 --num_train_epochs 10 --max_seq_length 128
     python recipes/kfold_evidence.py --recipe ner --seeds 3 --folds 5 --unlabeled_fraction 0.5 \\
         --teacher outputs/llm_ner_teacher --output_dir evidence/kfold_ner
     python recipes/kfold_evidence.py --recipe ner --seeds 1 --folds 2 --full_fit_seeds 2 --output_dir /tmp/kev -- \\
