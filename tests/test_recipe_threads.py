@@ -64,6 +64,11 @@ def fake_launcher(monkeypatch):
     def start(env: dict, args: list[str], omp: str = "1"):
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "launch", *args], env=env)
         procs.append(proc)
+        # Until the child has exec'd, /proc shows pytest's own environment and command line (a race under load).
+        deadline = time.monotonic() + 30
+        while "launch" not in open(f"/proc/{proc.pid}/cmdline", "rb").read().decode(errors="replace").split("\0"):
+            assert time.monotonic() < deadline, "the stand-in launcher did not start"
+            time.sleep(0.01)
         monkeypatch.setattr(os, "getppid", lambda: proc.pid)
         monkeypatch.setenv("OMP_NUM_THREADS", omp)  # what accelerate sets in the recipe's environment
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
