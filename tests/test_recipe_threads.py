@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ def fake_launcher(monkeypatch):
         procs.append(proc)
         # Until the child has exec'd, /proc shows pytest's own environment and command line (a race under load).
         deadline = time.monotonic() + 30
-        while "launch" not in open(f"/proc/{proc.pid}/cmdline", "rb").read().decode(errors="replace").split("\0"):
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while "launch" not in cmdline.read_bytes().decode(errors="replace").split("\0"):
             assert time.monotonic() < deadline, "the stand-in launcher did not start"
             time.sleep(0.01)
         monkeypatch.setattr(os, "getppid", lambda: proc.pid)
